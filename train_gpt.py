@@ -1,0 +1,688 @@
+"""NanoGPT speedrun trainer: a GPT-2-small-class model on FineWeb-10B to 3.28 val loss, one file.
+
+Run:   torchrun --standalone --nproc_per_node=8 train_gpt.py      (or ./run.sh)
+Smoke: python train_gpt.py --preset smoke --train_files 'PATTERN' --val_files 'PATTERN'   (CPU, minutes)
+Reads top to bottom in the order data flows: configuration, Muon, model, attention masks, data,
+training loop, main(). Nothing runs on import; tests import the parts.
+"""
+import argparse
+import contextlib
+import glob
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+# -----------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class Hyperparameters:
+    # data: glob patterns of shards (SPEC 3), taken in sorted file-name order
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10_485_760  # the first 10,485,760 val tokens, fixed by the record rules
+    # batch: tokens per optimiser step, whatever the number of processes
+    batch_size: int = 8 * 64 * 1024
+    max_device_batch_size: int = 64 * 1024  # one packed sequence per forward; longer shares accumulate
+    # schedule
+    num_iterations: int = 1390
+    cooldown_frac: float = 0.4  # last 40% of steps: learning rate decays linearly to 0
+    window_start: int = 128  # attention window in tokens at step 0 ...
+    window_end: int = 1856  # ... and at the end; // 128 gives 1 to 14 blocks
+    # model
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
+    num_layers: int = 12
+    num_heads: int = 6
+    model_dim: int = 768
+    attention_free_layer: int = 7  # this block has no attention (none if >= num_layers)
+    bf16_embeds: bool = True
+    # optimisers
+    embed_lr: float = 0.6
+    head_lr: float = 0.008
+    scalar_lr: float = 0.04
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    muon_lr: float = 0.05
+    muon_momentum_start: float = 0.85
+    muon_momentum: float = 0.95
+    muon_momentum_warmup_steps: int = 300
+    # evaluation, logging, runtime
+    val_loss_every: int = 125  # 0: only at the start and the end
+    log_dir: str = "logs"
+    save_checkpoint: bool = False
+    compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
+    seed: int = 0
+
+
+# A small model and a short run that finish in minutes on a 2-core CPU; still exercises every part
+# (value embeddings, U-net skips, the attention-free block, window growth, accumulation).
+PRESETS = {
+    "smoke": dict(
+        num_layers=8, num_heads=2, model_dim=128,
+        batch_size=1024, max_device_batch_size=512,  # 1, 2, 4 or 8 processes all fit
+        num_iterations=40, val_loss_every=10, val_tokens=4096,
+        window_end=512 + 64,  # 1 to 4 blocks: the whole 512-token sequence at the end
+    ),
+}
+
+BLOCK_SIZE = 128  # FlexAttention block; sequences are multiples of it
+EOT = 50256  # <|endoftext|>, precedes every document
+
+
+class UserError(Exception):
+    """A problem the user can fix (data, configuration, hardware); main() prints it without a traceback."""
+
+
+# -----------------------------------------------------------------------------
+# Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024)
+
+
+def zeropower_via_newtonschulz5(G, steps):
+    """Roughly orthogonalise G: a quintic Newton-Schulz iteration whose coefficients are tuned to push
+    singular values towards 1 fast, not exactly (they land near 0.7 to 1.2). Runs in bfloat16."""
+    assert G.ndim == 2
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.bfloat16()
+    tall = G.size(0) > G.size(1)
+    if tall:  # iterate on the smaller Gram matrix
+        X = X.T
+    X = X / (X.norm() + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        A = X @ X.T
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.T if tall else X
+
+
+class Muon(torch.optim.Optimizer):
+    """SGD-momentum (Nesterov) whose update is orthogonalised, for the 2-D matrices of the blocks.
+
+    Distributed without sharding the state: parameters are grouped by size; in each chunk of
+    world_size parameters rank r orthogonalises the r-th, and all ranks all-gather the bf16 results.
+    The gather is asynchronous and applied one chunk later, so it overlaps the next chunk's work.
+    Gradients must already be averaged across ranks (DDP does it).
+    """
+
+    def __init__(self, params, lr, momentum, nesterov=True, ns_steps=5):
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        params = list(params)
+        sizes = sorted({p.numel() for p in params}, reverse=True)
+        groups = [dict(params=[p for p in params if p.numel() == n]) for n in sizes]
+        super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params = group["params"]
+            numel = params[0].numel()
+            # slot r of the buffer receives rank r's update; outside the state so checkpoints stay small
+            gathered = torch.empty(self.world_size * numel, dtype=torch.bfloat16, device=params[0].device)
+            pending = None
+            for start in range(0, len(params), self.world_size):
+                mine = start + self.rank
+                if mine < len(params):
+                    update = self._orthogonalised_update(params[mine], group).flatten()
+                else:  # uneven tail: this rank has no matrix in the chunk, it sends zeros
+                    update = gathered.new_zeros(numel)
+                if pending is not None:  # the buffer is free again only once the last chunk is applied
+                    self._apply(*pending, gathered, group["lr"])
+                if self.world_size > 1:
+                    handle = dist.all_gather_into_tensor(gathered, update, async_op=True)
+                else:
+                    gathered.copy_(update)
+                    handle = None
+                pending = (params[start:start + self.world_size], handle)
+            self._apply(*pending, gathered, group["lr"])
+
+    def _orthogonalised_update(self, p, group):
+        assert p.grad is not None, "Muon: a matrix received no gradient"
+        m = group["momentum"]
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - m)  # buf = m*buf + (1-m)*g
+        update = p.grad.lerp(buf, m) if group["nesterov"] else buf
+        return zeropower_via_newtonschulz5(update, group["ns_steps"])
+
+    @staticmethod
+    def _apply(chunk, handle, gathered, lr):
+        if handle is not None:
+            handle.wait()
+        numel = chunk[0].numel()
+        for i, p in enumerate(chunk):
+            scale = max(1, p.size(0) / p.size(1)) ** 0.5  # same RMS step for tall and wide matrices
+            p.add_(gathered[i * numel:(i + 1) * numel].view_as(p), alpha=-lr * scale)
+
+
+# -----------------------------------------------------------------------------
+# The model: a U-net GPT with value embeddings
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))  # no weight
+
+
+class CastedLinear(nn.Linear):
+    """Bias-free linear whose fp32 weight is cast to the activations' dtype at use."""
+
+    def __init__(self, in_features, out_features, zero_init=False):
+        super().__init__(in_features, out_features, bias=False)
+        if zero_init:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return F.linear(x, self.weight.type_as(x))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al., RoFormer) on half the dimensions: the other quarter-pairs
+    get frequency 0 and pass unrotated."""
+
+    def __init__(self, head_dim, max_seq_len=65536):
+        super().__init__()
+        quarter = head_dim // 4
+        freqs = (1 / 1024) ** torch.linspace(0, 1, quarter)
+        freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
+        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        self.register_buffer("cos", theta.cos(), persistent=False)
+        self.register_buffer("sin", theta.sin(), persistent=False)
+
+    def forward(self, x):  # (batch, seq, heads, head_dim)
+        cos = self.cos[None, :x.size(1), None, :]
+        sin = self.sin[None, :x.size(1), None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q = CastedLinear(dim, dim)
+        self.k = CastedLinear(dim, dim)
+        self.v = CastedLinear(dim, dim)
+        self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))  # mix of v and the value embedding
+        self.rotary = Rotary(self.head_dim)
+        self.proj = CastedLinear(dim, dim, zero_init=True)
+
+    def forward(self, x, value_embed, mask):
+        B, T, dim = x.shape
+        q, k, v = (lin(x).view(B, T, self.num_heads, self.head_dim) for lin in (self.q, self.k, self.v))
+        q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm (Dehghani et al., 2023)
+        if value_embed is not None:
+            v = self.lambdas[0] * v + self.lambdas[1] * value_embed.view_as(v)
+        else:
+            v = self.lambdas[0] * v
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if isinstance(mask, BlockMask):
+            y = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5)
+        else:  # CPU: the same mask as a dense boolean matrix
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
+        return self.proj(y.transpose(1, 2).reshape(B, T, dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = CastedLinear(dim, 4 * dim)
+        self.proj = CastedLinear(4 * dim, dim, zero_init=True)
+
+    def forward(self, x):
+        return self.proj(F.relu(self.fc(x)).square())  # ReLU² (So et al., Primer, 2021)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, num_heads, has_attention):
+        super().__init__()
+        self.attn = CausalSelfAttention(dim, num_heads) if has_attention else None
+        self.mlp = MLP(dim)
+        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
+
+    def forward(self, x, value_embed, x0, mask):
+        x = self.lambdas[0] * x + self.lambdas[1] * x0
+        if self.attn is not None:
+            x = x + self.attn(norm(x), value_embed, mask)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, num_layers, num_heads, model_dim, attention_free_layer=7, bf16_embeds=True):
+        super().__init__()
+        if num_layers < 6 or num_layers % 2:
+            raise UserError(f"num_layers must be even and at least 6 (U-net halves, 3+3 value-embedded layers); got {num_layers}")
+        if model_dim % num_heads or (model_dim // num_heads) % 4:
+            raise UserError(f"model_dim {model_dim} must split into {num_heads} heads of a size divisible by 4 (rotary)")
+        self.num_layers = num_layers
+        self.embed = nn.Embedding(vocab_size, model_dim)
+        # three value-embedding tables, used by the first three and the last three layers
+        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))
+        self.blocks = nn.ModuleList(Block(model_dim, num_heads, has_attention=i != attention_free_layer)
+                                    for i in range(num_layers))
+        self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))  # U-net: encoder i feeds decoder
+        self.lm_head = CastedLinear(model_dim, vocab_size, zero_init=True)  # untied; step-0 loss = ln(vocab)
+        if bf16_embeds:
+            for table in [self.embed, *self.value_embeds]:
+                table.bfloat16()
+
+    def value_embed_index(self, layer):
+        if layer < 3:
+            return layer
+        if layer >= self.num_layers - 3:
+            return layer - (self.num_layers - 3)
+        return None
+
+    def forward(self, inputs, targets, window_blocks):
+        assert inputs.ndim == 1, "one packed sequence per device"
+        mask = build_block_mask(inputs, window_blocks) if inputs.is_cuda else build_dense_mask(inputs, window_blocks)
+        value_embeds = [table(inputs) for table in self.value_embeds]
+        x = x0 = norm(self.embed(inputs)[None])
+        half = self.num_layers // 2
+        skips = []
+        for i, block in enumerate(self.blocks):
+            if i >= half:  # decoder: take the mirror-image encoder output
+                x = x + self.skip_weights[i - half] * skips.pop()
+            ve = self.value_embed_index(i)
+            x = block(x, None if ve is None else value_embeds[ve], x0, mask)
+            if i < half:
+                skips.append(x)
+        logits = self.lm_head(norm(x))
+        logits = 15 * torch.tanh(logits / 15)  # logit softcap (as in Gemma 2)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets)
+
+
+# -----------------------------------------------------------------------------
+# Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
+
+
+def block_pairs(inputs, window_blocks):
+    """Block-level facts (SPEC 6). Returns the token document ids and two (q-block, kv-block) boolean
+    matrices: `partial` pairs may contain an allowed token pair, `full` pairs contain only allowed ones."""
+    docs = (inputs == EOT).cumsum(0)
+    first, last = docs[0::BLOCK_SIZE], docs[BLOCK_SIZE - 1::BLOCK_SIZE]  # doc range of each block
+    idx = torch.arange(len(first), device=inputs.device)
+    q, kv = idx[:, None], idx[None, :]
+    partial = (q >= kv) & (q - kv < window_blocks) & (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None])
+    one_doc = first == last
+    full = partial & (q > kv) & one_doc[:, None] & one_doc[None, :] & (first[:, None] == first[None, :])
+    return docs, partial, full
+
+
+def build_block_mask(inputs, window_blocks):
+    docs, partial, full = block_pairs(inputs, window_blocks)
+
+    def document_causal(b, h, q_idx, kv_idx):  # the per-token test, needed in partial blocks only
+        return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+
+    def listed(pairs):  # per q-block: how many kv blocks, and their indices first
+        counts = pairs.sum(dim=-1, dtype=torch.int32)
+        indices = torch.argsort(pairs, dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None].contiguous(), indices[None, None].contiguous()
+
+    return BlockMask.from_kv_blocks(*listed(partial & ~full), *listed(full),
+                                    BLOCK_SIZE=BLOCK_SIZE, mask_mod=document_causal)
+
+
+def build_dense_mask(inputs, window_blocks):
+    """The block mask as a dense (T, T) boolean matrix, for attention on CPU."""
+    docs, partial, _ = block_pairs(inputs, window_blocks)
+    pos = torch.arange(len(inputs), device=inputs.device)
+    in_blocks = partial.repeat_interleave(BLOCK_SIZE, 0).repeat_interleave(BLOCK_SIZE, 1)
+    return in_blocks & (pos[:, None] >= pos[None, :]) & (docs[:, None] == docs[None, :])
+
+
+# -----------------------------------------------------------------------------
+# Data: token shards (SPEC 3) and the loader every rank walks in step
+
+SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
+FETCH_HINT = "fetch FineWeb with `python data/cached_fineweb10B.py 9`"
+
+
+def read_shard_header(path):
+    """Validate a shard's header and size without reading its tokens; returns the token count."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    if len(header) < 256:
+        raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the 1024-byte header); {FETCH_HINT}")
+    if header[0] != SHARD_MAGIC:
+        raise UserError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
+    if header[1] != SHARD_VERSION:
+        raise UserError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+    num_tokens = int(header[2])
+    if size != HEADER_BYTES + 2 * num_tokens:
+        raise UserError(f"{path}: header says {num_tokens} tokens ({HEADER_BYTES + 2 * num_tokens} bytes) "
+                        f"but the file has {size} bytes (truncated or corrupt); {FETCH_HINT}")
+    return num_tokens
+
+
+def load_data_shard(path):
+    num_tokens = read_shard_header(path)
+    # pinned host memory makes the per-batch copies to the GPU truly asynchronous
+    tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=torch.cuda.is_available())
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        if f.readinto(tokens.numpy()) != 2 * num_tokens:
+            raise UserError(f"{path}: file changed while reading")
+    return tokens
+
+
+def write_data_shard(path, tokens):
+    tokens = np.asarray(tokens)
+    assert tokens.ndim == 1 and (tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < 2 ** 16))
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
+
+class DistributedDataLoader:
+    """All ranks walk one global token stream; of each global batch, rank r takes the r-th share."""
+
+    def __init__(self, files_pattern, rank, world_size, device):
+        self.files = sorted(glob.glob(files_pattern))
+        if not self.files:
+            raise UserError(f"no data shard matches {files_pattern!r}: {FETCH_HINT}, "
+                            "or point --train_files/--val_files at your shards")
+        self.num_tokens = [read_shard_header(f) for f in self.files]  # fail now, not hours in
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.reset()
+
+    def reset(self):
+        self._load(0)
+
+    def _load(self, shard):
+        self.shard, self.pos = shard, 0
+        self.tokens = load_data_shard(self.files[shard])
+
+    def next_batch(self, batch_size):
+        if batch_size % self.world_size:
+            raise UserError(f"batch of {batch_size} tokens does not divide among {self.world_size} processes")
+        if self.pos + batch_size + 1 >= len(self.tokens):
+            self._load((self.shard + 1) % len(self.files))
+            if batch_size + 1 >= len(self.tokens):
+                raise UserError(f"{self.files[self.shard]}: {len(self.tokens)} tokens, fewer than one batch of {batch_size + 1}")
+        share = batch_size // self.world_size
+        start = self.pos + self.rank * share
+        chunk = self.tokens[start:start + share + 1]
+        self.pos += batch_size
+        inputs = chunk[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True)
+        targets = chunk[1:].to(device=self.device, dtype=torch.int64, non_blocking=True)
+        return inputs, targets
+
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+
+def lr_multiplier(step, args):
+    """Stable, then linear decay to 0 over the last cooldown_frac of the steps."""
+    remaining = 1 - step / args.num_iterations
+    return 1.0 if remaining >= args.cooldown_frac else remaining / args.cooldown_frac
+
+
+def muon_momentum(step, args):
+    frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps else 1
+    return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
+
+
+def window_blocks_at(step, args):
+    """Attention window in whole blocks, growing linearly over training (1 to 14 blocks by default)."""
+    x = step / args.num_iterations
+    return int(((1 - x) * args.window_start + x * args.window_end) // BLOCK_SIZE)
+
+
+def micro_batch_plan(args, world_size):
+    """Per-rank micro-batch size and count for the fixed global batch; clear errors where it cannot work."""
+    if args.batch_size % world_size:
+        raise UserError(f"the global batch of {args.batch_size} tokens does not divide among {world_size} processes; "
+                        "use 1, 2, 4 or 8 processes, or a --batch_size divisible by the process count")
+    share = args.batch_size // world_size
+    micro = min(args.max_device_batch_size, share)
+    if share % micro or micro % BLOCK_SIZE:
+        raise UserError(f"each process's {share} tokens must split into equal micro-batches of at most "
+                        f"--max_device_batch_size {args.max_device_batch_size}, each a multiple of {BLOCK_SIZE}")
+    val_batch = world_size * args.max_device_batch_size
+    if args.val_tokens % val_batch or args.max_device_batch_size % BLOCK_SIZE:
+        raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x --max_device_batch_size "
+                        f"= {val_batch} (and that a multiple of {BLOCK_SIZE})")
+    return micro, share // micro, val_batch
+
+
+def build_optimizers(model, args):
+    """Adam for embeddings, head and scalars; Muon for the matrices inside the blocks."""
+    adam_groups = [
+        dict(params=[model.embed.weight, *(t.weight for t in model.value_embeds)], lr=args.embed_lr),
+        dict(params=[model.lm_head.weight], lr=args.head_lr),
+        dict(params=[p for p in model.parameters() if p.ndim < 2], lr=args.scalar_lr),
+    ]
+    adam = torch.optim.Adam(adam_groups, betas=(args.adam_beta1, args.adam_beta2), eps=1e-10, fused=True)  # fused: CUDA and CPU
+    matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
+    muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum)
+    optimizers = [adam, muon]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+@torch.no_grad()
+def evaluate(model, loader, args, val_batch, window_blocks, world_size):
+    model.eval()
+    loader.reset()
+    steps = args.val_tokens // val_batch
+    total = torch.zeros((), device=window_blocks.device)
+    for _ in range(steps):
+        inputs, targets = loader.next_batch(val_batch)
+        total += model(inputs, targets, window_blocks)
+    total /= steps
+    if world_size > 1:
+        dist.all_reduce(total)  # gloo has no AVG
+        total /= world_size
+    model.train()
+    return total.item()
+
+
+def environment_report(world_size, device):
+    lines = [f"Running Python {sys.version}",
+             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+             f"devices: {world_size} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"]
+    if shutil.which("nvidia-smi"):
+        lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
+    return lines
+
+
+def train(args):
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    master = rank == 0
+    micro, accum_steps, val_batch = micro_batch_plan(args, world_size)
+
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if torch.cuda.device_count() < local_world:
+            raise UserError(f"{local_world} processes on this node but {torch.cuda.device_count()} GPUs visible: "
+                            f"use --nproc_per_node={torch.cuda.device_count()} (the global batch stays the same)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    compile_model = args.compile == "true" or (args.compile == "auto" and use_cuda)
+    train_loader = DistributedDataLoader(args.train_files, rank, world_size, device)
+    val_loader = DistributedDataLoader(args.val_files, rank, world_size, device)
+    if world_size > 1:
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+
+    log_file = None
+    if master:
+        os.makedirs(args.log_dir, exist_ok=True)
+        run_id = str(uuid.uuid4())
+        log_path = os.path.join(args.log_dir, f"{run_id}.txt")
+        log_file = open(log_path, "w")
+        print(f"logging to {log_path}")
+        log_file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+
+    def log(line, console=True):
+        if master:
+            if console:
+                print(line)
+            log_file.write(line + "\n")
+            log_file.flush()
+
+    for line in environment_report(world_size, device):
+        log(line, console=False)
+    log("=" * 100, console=False)
+    log("hyperparameters:", console=False)
+    for name, value in asdict(args).items():
+        log(f"  {name} = {value}", console=False)
+    log(f"train shards ({len(train_loader.files)}): {' '.join(train_loader.files)}", console=False)
+    log(f"val shards ({len(val_loader.files)}): {' '.join(val_loader.files)}", console=False)
+    log("=" * 100, console=False)
+
+    torch.manual_seed(args.seed)
+    raw_model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
+                    args.attention_free_layer, args.bf16_embeds).to(device)
+    optimizers = build_optimizers(raw_model, args)
+    model = raw_model
+    if compile_model:
+        from torch._inductor import config as inductor_config
+        inductor_config.coordinate_descent_tuning = True
+        model = torch.compile(model, dynamic=False)
+    ddp_model = model
+    if world_size > 1:
+        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None,
+                        broadcast_buffers=False, gradient_as_bucket_view=True)
+    # a device tensor, changed in place: the compiled graph sees a new value, never a new constant
+    window_blocks = torch.tensor(window_blocks_at(0, args), dtype=torch.int32, device=device)
+
+    def synchronize():
+        if use_cuda:
+            torch.cuda.synchronize()
+
+    N = args.num_iterations
+    train_time_ms = 0.0
+    t0 = time.perf_counter()
+    for step in range(N + 1):
+        last_step = step == N
+        if step == 10:  # the first steps compile and warm up; the clock restarts here
+            train_time_ms = 0.0
+            t0 = time.perf_counter()
+        timed_steps = step - 10 if step > 10 else float("nan")
+        window_blocks.fill_(window_blocks_at(step, args))
+
+        if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
+            synchronize()
+            train_time_ms += 1000 * (time.perf_counter() - t0)
+            val_loss = evaluate(model, val_loader, args, val_batch, window_blocks, world_size)
+            log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_time_ms:.0f}ms "
+                f"step_avg:{train_time_ms / timed_steps:.2f}ms")
+            synchronize()
+            t0 = time.perf_counter()
+        if last_step:
+            break
+
+        inputs, targets = train_loader.next_batch(args.batch_size)
+        for i in range(accum_steps):
+            last_micro = i == accum_steps - 1
+            # gradients are all-reduced once per step, on the last micro-batch
+            no_sync = ddp_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
+            with no_sync:
+                part = slice(i * micro, (i + 1) * micro)
+                loss = ddp_model(inputs[part], targets[part], window_blocks)
+                (loss / accum_steps).backward()
+        lr_scale = lr_multiplier(step, args)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * lr_scale
+        for group in optimizers[1].param_groups:
+            group["momentum"] = muon_momentum(step, args)
+        for opt in optimizers:
+            opt.step()
+        raw_model.zero_grad(set_to_none=True)
+        approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: the step stays asynchronous
+        log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1 - 10) if step + 1 > 10 else float('nan'):.2f}ms")
+
+    if use_cuda:
+        peak_mib = torch.cuda.max_memory_allocated() // 2 ** 20
+    else:  # CPU: peak resident memory of the process (ru_maxrss is in KiB on Linux)
+        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    log(f"peak memory consumption: {peak_mib} MiB")
+    if master and args.save_checkpoint:
+        ckpt_dir = os.path.join(args.log_dir, run_id)
+        os.makedirs(ckpt_dir, exist_ok=True)
+        torch.save(dict(step=N, code=Path(__file__).read_text(), args=asdict(args), model=raw_model.state_dict(),
+                        optimizers=[opt.state_dict() for opt in optimizers]),
+                   os.path.join(ckpt_dir, f"state_step{N:06d}.pt"))
+    if log_file:
+        log_file.close()
+    return 0
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+def parse_bool(text):
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def parse_args(argv=None):
+    preset_parser = argparse.ArgumentParser(add_help=False)
+    preset_parser.add_argument("--preset", choices=sorted(PRESETS))
+    parser = argparse.ArgumentParser(description="NanoGPT speedrun trainer (SPEC.md). Every option has a default.",
+                                     parents=[preset_parser])
+    for f in fields(Hyperparameters):
+        kind = parse_bool if f.type is bool else f.type
+        parser.add_argument(f"--{f.name}", type=kind, default=f.default, metavar=f.type.__name__.upper(),
+                            help="default: %(default)s")
+    preset = preset_parser.parse_known_args(argv)[0].preset
+    if preset:
+        parser.set_defaults(**PRESETS[preset])
+    namespace = parser.parse_args(argv)
+    if namespace.compile not in ("auto", "true", "false"):
+        parser.error("--compile must be auto, true or false")
+    return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
+
+
+def main(argv=None):
+    # before anything initialises CUDA: fewer fragmentation stalls when the window grows
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    args = parse_args(argv)
+    try:
+        return train(args)
+    except UserError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
