@@ -1,0 +1,109 @@
+"""Shared fixtures: synthetic shards with learnable structure, and real runs of the trainer."""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import train_gpt  # noqa: E402
+
+MARKOV_VOCAB = 256  # token ids 0..255 plus <|endoftext|>
+MARKOV_SUCCESSORS = 4
+
+
+def markov_stream(num_tokens, seed):
+    """Documents drawn from one fixed random Markov chain: each token has 4 possible successors,
+    so a model that learns the chain reaches about ln 4 = 1.39 nats, far below the unigram entropy."""
+    chain = np.random.default_rng(1234)  # the same chain for every split
+    successors = chain.integers(0, MARKOV_VOCAB, size=(MARKOV_VOCAB, MARKOV_SUCCESSORS))
+    rng = np.random.default_rng(seed)
+    tokens = np.empty(num_tokens, dtype=np.int64)
+    i = 0
+    while i < num_tokens:
+        length = int(rng.integers(40, 400))
+        tokens[i] = train_gpt.EOT
+        state = int(rng.integers(MARKOV_VOCAB))
+        for j in range(i + 1, min(i + length, num_tokens)):
+            tokens[j] = state
+            state = int(successors[state, rng.integers(MARKOV_SUCCESSORS)])
+        i += length
+    return tokens
+
+
+def unigram_entropy(tokens):
+    counts = np.bincount(tokens)
+    p = counts[counts > 0] / len(tokens)
+    return float(-(p * np.log(p)).sum())
+
+
+@pytest.fixture(scope="session")
+def markov_shards(tmp_path_factory):
+    """Two train shards and one val shard of the Markov stream; returns (train glob, val glob, val tokens)."""
+    folder = tmp_path_factory.mktemp("markov")
+    for k in (1, 2):
+        train_gpt.write_data_shard(folder / f"markov_train_{k:06d}.bin", markov_stream(60_000, seed=k))
+    val = markov_stream(20_000, seed=0)
+    train_gpt.write_data_shard(folder / "markov_val_000000.bin", val)
+    return str(folder / "markov_train_*.bin"), str(folder / "markov_val_*.bin"), val
+
+
+def run_trainer(args, nproc=1, timeout=600):
+    """Run train_gpt.py as users do: plainly for one process, through torchrun for several."""
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / "train_gpt.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "train_gpt.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def finished_log(log_dir):
+    logs = sorted(Path(log_dir).glob("*.txt"))
+    assert len(logs) == 1, f"expected one log in {log_dir}, found {logs}"
+    return logs[0]
+
+
+class SmokeRuns:
+    """Smoke-preset runs on the Markov shards, made once per session and shared by the tests."""
+
+    def __init__(self, shards, tmp_path_factory):
+        self.train, self.val, _ = shards
+        self.tmp = tmp_path_factory
+        self.logs = {}
+
+    def log(self, name, nproc, *extra):
+        if name not in self.logs:
+            log_dir = self.tmp.mktemp(name)
+            result = run_trainer(["--preset", "smoke", "--train_files", self.train, "--val_files", self.val,
+                                  "--log_dir", str(log_dir), *extra], nproc=nproc)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            self.logs[name] = finished_log(log_dir)
+        return self.logs[name]
+
+    # the same short run as 1 and as 2 processes, and the whole smoke preset as 1 process
+    def short(self, nproc):
+        return self.log(f"short_{nproc}proc", nproc, "--num_iterations", "8", "--val_loss_every", "4")
+
+    def full(self):
+        return self.log("full_1proc", 1)
+
+
+@pytest.fixture(scope="session")
+def smoke_runs(markov_shards, tmp_path_factory):
+    return SmokeRuns(markov_shards, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def smoke_logs(smoke_runs):
+    """Paths of finished logs written by real smoke runs of the trainer (CPU)."""
+    return [smoke_runs.short(1), smoke_runs.short(2), smoke_runs.full()]
+
+
+LN_VOCAB = math.log(50304)

@@ -1,0 +1,137 @@
+"""Shards, the distributed loader, and the clear errors users get for bad data or configuration."""
+import numpy as np
+import pytest
+import torch
+
+import train_gpt
+from train_gpt import DistributedDataLoader, UserError, load_data_shard, write_data_shard
+
+
+def stream_shards(folder, sizes):
+    """Shards whose tokens count up through the whole stream, so every slice says where it came from."""
+    start = 0
+    for k, size in enumerate(sizes):
+        write_data_shard(folder / f"s_train_{k + 1:06d}.bin", (np.arange(start, start + size) % 50000))
+        start += size
+    return str(folder / "s_train_*.bin")
+
+
+def test_write_then_load_round_trips(tmp_path):
+    tokens = np.array([50256, 0, 1, 65535, 42])
+    write_data_shard(tmp_path / "a.bin", tokens)
+    assert (tmp_path / "a.bin").stat().st_size == 1024 + 2 * 5
+    assert load_data_shard(tmp_path / "a.bin").tolist() == tokens.tolist()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_rank_slices_tile_the_global_stream_without_gap_or_overlap(tmp_path, world_size):
+    pattern = stream_shards(tmp_path, [10_000])
+    loaders = [DistributedDataLoader(pattern, r, world_size, torch.device("cpu")) for r in range(world_size)]
+    batch = 1024
+    for step in range(5):
+        parts = [loader.next_batch(batch) for loader in loaders]
+        inputs = torch.cat([x for x, _ in parts])
+        targets = torch.cat([y for _, y in parts])
+        expected = torch.arange(step * batch, step * batch + batch + 1)
+        assert inputs.dtype == torch.int32 and targets.dtype == torch.int64
+        assert torch.equal(inputs.long(), expected[:-1]) and torch.equal(targets, expected[1:])
+
+
+def test_loader_moves_to_next_shard_and_wraps_around(tmp_path):
+    pattern = stream_shards(tmp_path, [2500, 1100])  # batches of 1000: 2 in shard 1, 1 in shard 2
+    loader = DistributedDataLoader(pattern, 0, 1, torch.device("cpu"))
+    firsts = [loader.next_batch(1000)[0][0].item() for _ in range(5)]
+    assert firsts == [0, 1000, 2500, 0, 1000]  # 2000 + 1001 > 2500: skip to shard 2, then wrap
+    loader.reset()
+    assert loader.next_batch(1000)[0][0].item() == 0
+
+
+def test_loader_takes_shards_in_sorted_name_order(tmp_path):
+    write_data_shard(tmp_path / "x_train_000002.bin", np.full(3000, 2))
+    write_data_shard(tmp_path / "x_train_000001.bin", np.full(3000, 1))
+    loader = DistributedDataLoader(str(tmp_path / "x_train_*.bin"), 0, 1, torch.device("cpu"))
+    assert loader.files[0].endswith("000001.bin") and loader.next_batch(100)[0][0].item() == 1
+
+
+def corrupt(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "magic":
+        data[0:4] = np.int32(12345).tobytes()
+    elif how == "version":
+        data[4:8] = np.int32(7).tobytes()
+    elif how == "truncated":
+        data = data[:-10]
+    elif how == "header_only_part":
+        data = data[:100]
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how,words", [("magic", "magic"), ("version", "version"),
+                                       ("truncated", "truncated"), ("header_only_part", "truncated")])
+def test_bad_shards_give_an_error_naming_the_file_and_the_problem(tmp_path, how, words):
+    path = tmp_path / "bad_train_000001.bin"
+    write_data_shard(path, np.arange(500))
+    corrupt(path, how)
+    with pytest.raises(UserError) as info:
+        load_data_shard(path)
+    assert str(path) in str(info.value) and words in str(info.value)
+    with pytest.raises(UserError):  # the loader checks every shard up front
+        DistributedDataLoader(str(tmp_path / "bad_*.bin"), 0, 1, torch.device("cpu"))
+
+
+# --- errors through main(): one message on stderr, exit code 1, no traceback -----------------------
+
+def run_main(capsys, *argv):
+    code = train_gpt.main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: ") and "Traceback" not in err
+    return err
+
+
+def test_missing_data_points_at_the_fetch_script(tmp_path, capsys):
+    err = run_main(capsys, "--preset", "smoke", "--train_files", str(tmp_path / "none_*.bin"),
+                   "--log_dir", str(tmp_path / "logs"))
+    assert "python data/cached_fineweb10B.py 9" in err and "none_*.bin" in err
+    assert not (tmp_path / "logs").exists()  # nothing written before the checks pass
+
+
+def test_corrupt_shard_through_main(tmp_path, capsys, markov_shards):
+    path = tmp_path / "c_train_000001.bin"
+    write_data_shard(path, np.arange(5000))
+    corrupt(path, "magic")
+    err = run_main(capsys, "--preset", "smoke", "--train_files", str(path), "--val_files", markov_shards[1])
+    assert "magic" in err and str(path) in err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--batch_size", "3001"], "does not divide among 2 processes"),
+    (["--max_device_batch_size", "384"], "micro-batches"),
+    (["--val_tokens", "5000"], "--val_tokens"),
+])
+def test_batch_sizes_that_do_not_divide_are_refused(capsys, monkeypatch, markov_shards, argv, words):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun with 2 processes
+    err = run_main(capsys, "--preset", "smoke", "--train_files", markov_shards[0],
+                   "--val_files", markov_shards[1], *argv)
+    assert words in err
+
+
+def test_more_processes_than_gpus_is_refused(capsys, monkeypatch, markov_shards):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    err = run_main(capsys, "--preset", "smoke", "--batch_size", "8192",
+                   "--train_files", markov_shards[0], "--val_files", markov_shards[1])
+    assert "8 processes" in err and "--nproc_per_node=2" in err
+
+
+def test_every_hyperparameter_is_a_command_line_option(capsys):
+    args = train_gpt.parse_args(["--num_iterations", "20", "--bf16_embeds", "false", "--cooldown_frac", "0.5"])
+    assert (args.num_iterations, args.bf16_embeds, args.cooldown_frac) == (20, False, 0.5)
+    smoke = train_gpt.parse_args(["--preset", "smoke", "--num_layers", "6"])  # explicit options beat the preset
+    assert smoke.num_layers == 6 and smoke.model_dim == train_gpt.PRESETS["smoke"]["model_dim"]
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    for field in train_gpt.fields(train_gpt.Hyperparameters):
+        assert f"--{field.name}" in help_text
+    assert "default: 1390" in help_text

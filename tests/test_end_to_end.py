@@ -1,0 +1,62 @@
+"""Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and learning."""
+import re
+
+from conftest import LN_VOCAB, unigram_entropy
+
+SOURCE = (__import__("conftest").REPO / "train_gpt.py").read_text()
+VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
+TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
+
+
+def step_lines(log_path):
+    """The lines after the header; each must be a val line, a train line or the closing memory line."""
+    text = log_path.read_text()
+    assert text.startswith(SOURCE), "the log must begin with the exact source of train_gpt.py"
+    rest = text[len(SOURCE):].splitlines()
+    assert rest[1] == "=" * 100
+    body = rest[rest.index("=" * 100, rest.index("hyperparameters:")) + 1:]
+    assert re.fullmatch(r"peak memory consumption: \d+ MiB", body[-1])
+    return body[:-1], rest
+
+
+def val_losses(log_path):
+    lines, _ = step_lines(log_path)
+    losses = {}
+    for line in lines:
+        if m := VAL_LINE.match(line):
+            losses[int(m[1])] = float(m[3])
+        else:
+            assert TRAIN_LINE.match(line), f"line does not parse: {line!r}"
+    return losses
+
+
+def test_log_has_source_header_and_parsable_step_lines(smoke_runs):
+    log = smoke_runs.short(1)
+    lines, rest = step_lines(log)
+    assert rest[2].startswith("Running Python ") and rest[3].startswith("Running PyTorch ")
+    assert "devices: 1 x cpu" in rest
+    assert "  num_iterations = 8" in rest and any(r.startswith("train shards (2): ") for r in rest)
+    steps = [int(TRAIN_LINE.match(x)[1]) for x in lines if TRAIN_LINE.match(x)]
+    assert steps == list(range(1, 9))
+    assert sorted(val_losses(log)) == [0, 4, 8]
+    # timing restarts at step 10: no timed steps yet, so step_avg is nan throughout this short run
+    assert all(line.endswith("step_avg:nanms") for line in lines)
+
+
+def test_two_processes_give_the_same_validation_losses_as_one(smoke_runs):
+    one, two = val_losses(smoke_runs.short(1)), val_losses(smoke_runs.short(2))
+    assert sorted(one) == sorted(two) == [0, 4, 8]
+    assert one[0] == two[0] == round(LN_VOCAB, 4)
+    # same data, same global batch, same update; only the order of float sums differs
+    for step in one:
+        assert abs(one[step] - two[step]) < 2e-3, (step, one[step], two[step])
+    assert one[8] < one[0] - 1  # and it is not trivially equal because nothing moved
+
+
+def test_smoke_run_learns_the_markov_chain(smoke_runs, markov_shards):
+    losses = val_losses(smoke_runs.full())
+    entropy = unigram_entropy(markov_shards[2])
+    final = losses[max(losses)]
+    assert losses[0] == round(LN_VOCAB, 4)
+    assert final < entropy - 1.0, f"final val loss {final} vs unigram entropy {entropy:.3f}"
+    assert list(losses.values()) == sorted(losses.values(), reverse=True)  # improves at every evaluation

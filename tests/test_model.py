@@ -1,0 +1,50 @@
+"""The model's shape facts (SPEC 5) and its step-0 loss."""
+import math
+
+import torch
+
+from train_gpt import GPT, Hyperparameters
+
+
+def test_default_model_has_the_records_parameter_count():
+    args = Hyperparameters()
+    with torch.device("meta"):
+        model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.model_dim)
+    assert sum(p.numel() for p in model.parameters()) == 275_742_772
+    matrices = sum(p.numel() for p in model.blocks.parameters() if p.ndim == 2)
+    scalars = sum(p.numel() for p in model.parameters() if p.ndim < 2)
+    assert (matrices, scalars) == (82_575_360, 52)
+    assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
+
+
+def test_block_seven_has_no_attention_and_value_embeddings_follow_012_pattern():
+    with torch.device("meta"):
+        model = GPT(50304, 12, 6, 768)
+    assert [block.attn is None for block in model.blocks] == [i == 7 for i in range(12)]
+    assert [model.value_embed_index(i) for i in range(12)] == [0, 1, 2] + [None] * 6 + [0, 1, 2]
+    with torch.device("meta"):
+        small = GPT(50304, 6, 2, 64)  # fewer than 8 layers: every block has attention
+    assert all(block.attn is not None for block in small.blocks)
+    assert [small.value_embed_index(i) for i in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_step_zero_loss_is_log_vocab_because_the_head_starts_at_zero():
+    torch.manual_seed(0)
+    model = GPT(50304, 8, 2, 64)
+    tokens = torch.randint(0, 50257, (512,))
+    loss = model(tokens.int(), tokens.roll(-1), torch.tensor(2, dtype=torch.int32))
+    assert abs(loss.item() - math.log(50304)) < 1e-4
+
+
+def test_value_embeddings_reach_the_loss_only_in_their_layers():
+    # gradients flow to all three value-embedding tables and to every scalar of the U-net
+    torch.manual_seed(0)
+    model = GPT(50304, 8, 2, 64, bf16_embeds=False)
+    torch.nn.init.normal_(model.lm_head.weight, std=0.02)  # let gradients through the head
+    for block in model.blocks:
+        for lin in (block.mlp.proj, *([block.attn.proj] if block.attn else [])):
+            torch.nn.init.normal_(lin.weight, std=0.02)
+    tokens = torch.randint(0, 1000, (256,))
+    model(tokens, tokens.roll(-1), torch.tensor(2, dtype=torch.int32)).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name

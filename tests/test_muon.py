@@ -1,0 +1,123 @@
+"""Newton-Schulz against a float64 re-implementation, and Muon in 2 processes against 1."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train_gpt
+from train_gpt import Muon, zeropower_via_newtonschulz5
+
+
+def newton_schulz_float64(G, steps):
+    """The same quintic iteration, written independently, in float64 (no bf16 rounding)."""
+    X = G.double()
+    if X.shape[0] > X.shape[1]:
+        X = X.T
+    X = X / (torch.linalg.matrix_norm(X) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.T
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+    return X.T if G.shape[0] > G.shape[1] else X
+
+
+def relative_error(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128)], ids=["wide", "tall", "square"])
+def test_newton_schulz_matches_float64_iteration(shape):
+    torch.manual_seed(0)
+    G = torch.randn(shape)
+    out = zeropower_via_newtonschulz5(G, steps=5)
+    assert out.shape == G.shape and out.dtype == torch.bfloat16
+    # bf16 keeps ~3 significant digits; five iterations compound that to a few percent
+    assert relative_error(out, newton_schulz_float64(G, 5)) < 0.05
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64)], ids=["wide", "tall"])
+def test_newton_schulz_roughly_orthogonalises(shape):
+    torch.manual_seed(1)
+    G = torch.randn(shape)
+    singular_values = torch.linalg.svdvals(zeropower_via_newtonschulz5(G, steps=5).double())
+    assert singular_values.min() > 0.5 and singular_values.max() < 1.3
+    # the exact polar factor, for comparison: the direction is what matters
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    cosine = (zeropower_via_newtonschulz5(G, 5).double() * (U @ Vh)).sum() / (U @ Vh).norm() ** 2
+    assert cosine > 0.8
+
+
+def test_newton_schulz_ignores_the_scale_of_its_input():
+    torch.manual_seed(2)
+    G = torch.randn(96, 160)
+    reference = newton_schulz_float64(G, 5)
+    for scale in (1e-3, 7.0, 1e4):
+        assert relative_error(zeropower_via_newtonschulz5(G * scale, 5), reference) < 0.05
+
+
+# --- Muon, distributed ------------------------------------------------------------------------
+
+SHAPES = [(32, 48), (32, 48), (32, 48), (48, 16), (16, 24)]  # 3 of one size: uneven over 2 ranks
+STEPS = 3
+
+
+def muon_run(rank, world_size, port, out_path):
+    """Train the same parameters with the same gradients for a few steps; save the result."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if world_size > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    optimizer = Muon(params, lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        optimizer.step()
+    if rank == 0:
+        torch.save([p.detach() for p in params], out_path)
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def muon_reference(shapes, steps):
+    """Muon written plainly in float64 (besides the bf16 Newton-Schulz it must match)."""
+    torch.manual_seed(0)
+    params = [torch.randn(shape) for shape in shapes]
+    buffers = [torch.zeros(shape) for shape in shapes]
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + step)
+        for i, p in enumerate(params):
+            g = torch.randn(p.shape, generator=gen)
+            buffers[i] = 0.9 * buffers[i] + 0.1 * g
+            update = zeropower_via_newtonschulz5(0.1 * g + 0.9 * buffers[i], 5).float()
+            p -= 0.05 * max(1, p.shape[0] / p.shape[1]) ** 0.5 * update
+    return params
+
+
+def test_muon_two_processes_match_one(tmp_path):
+    mp.spawn(muon_run, args=(1, free_port(), tmp_path / "one.pt"), nprocs=1)
+    mp.spawn(muon_run, args=(2, free_port(), tmp_path / "two.pt"), nprocs=2)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for a, b in zip(one, two):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for a, ref in zip(one, muon_reference(SHAPES, STEPS)):
+        torch.testing.assert_close(a, ref, rtol=0, atol=2e-3)
+
+
+def test_muon_groups_by_size_and_reads_world_from_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
+    optimizer = Muon(params, lr=0.05, momentum=0.95)
+    assert (optimizer.rank, optimizer.world_size) == (1, 4)
+    assert [len(g["params"]) for g in optimizer.param_groups] == [3, 1, 1]
+    assert train_gpt.Muon is Muon
