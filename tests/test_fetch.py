@@ -1,0 +1,397 @@
+"""data/cached_fineweb10B.py, run as users run it (a subprocess) with the real huggingface_hub
+client, against a stand-in of the hub's download protocol on 127.0.0.1 (tests/fetch_hub.py).
+Offline: HF_ENDPOINT points at the stand-in, HF_HOME/HF_HUB_CACHE into tmp_path."""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+fetch_hub = importlib.import_module("fetch_hub")  # the stand-in hub, beside this file
+FakeHub, random_shard = fetch_hub.FakeHub, fetch_hub.random_shard
+try:  # the trainer's reader has the last word on what counts as a readable shard
+    train_gpt = importlib.import_module("train_gpt")
+except ImportError:
+    train_gpt = None
+
+SCRIPT = ROOT / "data" / "cached_fineweb10B.py"
+VAL = "fineweb_val_000000.bin"
+
+
+def train(i: int) -> str:
+    return f"fineweb_train_{i:06d}.bin"
+
+
+@pytest.fixture
+def hub():
+    h = FakeHub()
+    h.add(VAL, random_shard(2000, seed=0))
+    for i in range(1, 4):
+        h.add(train(i), random_shard(3000 + i, seed=i))
+    yield h
+    h.stop()
+
+
+def env_for(endpoint: str, tmp_path: Path, download_timeout: int = 5) -> dict[str, str]:
+    # No user token, cache or endpoint leaks in from the caller's environment.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update(
+        HF_ENDPOINT=endpoint,
+        HF_HOME=str(tmp_path / "hf_home"),
+        HF_HUB_CACHE=str(tmp_path / "hf_cache"),
+        HF_HUB_DOWNLOAD_TIMEOUT=str(download_timeout),
+    )
+    return env
+
+
+def command(tmp_path: Path, *args: str, wrapper: list[str] = ()) -> list[str]:
+    return [
+        sys.executable,
+        *wrapper,
+        str(SCRIPT),
+        *args,
+        "--dir",
+        str(tmp_path / "data"),
+    ]
+
+
+def fetch(
+    hub: FakeHub | str, tmp_path: Path, *args: str, wrapper: list[str] = ()
+) -> subprocess.CompletedProcess:
+    endpoint = hub if isinstance(hub, str) else hub.endpoint
+    return subprocess.run(
+        command(tmp_path, *args, wrapper=wrapper),
+        check=False,
+        env=env_for(endpoint, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def header_ok(path: Path) -> bool:
+    """SPEC section 3, checked independently of both the fetch script and the trainer."""
+    raw = path.read_bytes()
+    if len(raw) < 1024:
+        return False
+    magic, version, n = np.frombuffer(raw[:12], dtype="<i4")
+    return magic == 20240520 and version == 1 and len(raw) == 1024 + 2 * n
+
+
+def reader_accepts(path: Path) -> bool:
+    ok = header_ok(path)
+    if train_gpt is not None:
+        try:
+            tokens = train_gpt.load_data_shard(str(path))
+            accepted = True
+        except train_gpt.UserError:
+            accepted = False
+        assert accepted == ok, f"trainer and SPEC disagree about {path.name}"
+        if accepted:  # and it reads the same tokens
+            expected = np.frombuffer(path.read_bytes()[1024:], dtype="<u2")
+            assert np.array_equal(
+                np.asarray(tokens).astype(np.int64), expected.astype(np.int64)
+            )
+    return ok
+
+
+def assert_only_good_shards(dest: Path, hub: FakeHub, expected: list[str]) -> None:
+    """The folder holds exactly `expected`, byte-equal to what the hub served, and nothing
+    the trainer's file patterns could pick up besides; no staging debris is left."""
+    assert sorted(os.listdir(dest)) == sorted(expected)
+    for name in expected:
+        assert (dest / name).read_bytes() == hub.served(name), name
+        assert reader_accepts(dest / name)
+    for path in glob.glob(str(dest / "fineweb_*.bin")):
+        assert reader_accepts(Path(path))
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess, *phrases: str) -> None:
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr
+
+
+# ----------------------------------------------------------------------------- happy paths
+
+
+@pytest.mark.parametrize("redirect", [True, False], ids=["cdn-redirect", "direct"])
+def test_fresh_download_of_val_and_two_shards(hub, tmp_path, redirect):
+    hub.redirect = redirect
+    result = fetch(hub, tmp_path, "2", "--workers", "3")
+    assert result.returncode == 0, result.stderr
+    dest = tmp_path / "data"
+    assert_only_good_shards(dest, hub, [VAL, train(1), train(2)])
+    assert sorted(r.filename for r in hub.file_gets()) == sorted(
+        [VAL, train(1), train(2)]
+    )
+    assert all(
+        r.range is None and r.server == ("cdn" if redirect else "hub")
+        for r in hub.file_gets()
+    )
+    assert "3 of 3 shards present" in result.stdout
+    assert f"{2000 + 3001 + 3002:,} tokens" in result.stdout
+    # No second copy in the hub cache: nothing there bigger than a metadata file.
+    cached = [p for p in (tmp_path / "hf_cache").rglob("*") if p.is_file()]
+    assert all(p.stat().st_size < 1024 for p in cached), cached
+
+
+def test_second_run_downloads_nothing_and_needs_no_network(hub, tmp_path):
+    assert fetch(hub, tmp_path, "2").returncode == 0
+    dest = tmp_path / "data"
+    before = {n: (dest / n).stat() for n in os.listdir(dest)}
+    hub.log.clear()
+
+    again = fetch(hub, tmp_path, "2")
+    assert again.returncode == 0, again.stderr
+    assert hub.requests() == []  # not a single request, let alone a file GET
+    assert "downloaded 0" in again.stdout
+
+    hub.stop()  # and with the hub gone it still succeeds
+    offline = fetch(hub, tmp_path, "2")
+    assert offline.returncode == 0, offline.stderr
+    after = {n: (dest / n).stat() for n in os.listdir(dest)}
+    assert {n: (s.st_ino, s.st_mtime_ns) for n, s in after.items()} == {
+        n: (s.st_ino, s.st_mtime_ns) for n, s in before.items()
+    }
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bad-magic", "empty"])
+def test_bad_local_shard_is_replaced(hub, tmp_path, damage):
+    dest = tmp_path / "data"
+    dest.mkdir()
+    for name in (VAL, train(1)):
+        (dest / name).write_bytes(hub.served(name))
+    good = hub.served(train(2))
+    bad = {
+        "truncated": good[: len(good) // 2],
+        "bad-magic": b"\0\0\0\0" + good[4:],
+        "empty": b"",
+    }[damage]
+    (dest / train(2)).write_bytes(bad)
+
+    result = fetch(hub, tmp_path, "2")
+    assert result.returncode == 0, result.stderr
+    # Only the bad one is fetched.
+    assert [r.filename for r in hub.file_gets()] == [train(2)]
+    assert f"{train(2)}: not a valid shard" in result.stderr
+    assert_only_good_shards(dest, hub, [VAL, train(1), train(2)])
+
+
+def test_resumes_after_a_dropped_connection(hub, tmp_path):
+    # The hub client writes in 10 MiB chunks and resumes from the last whole chunk, so this
+    # shard is 12 MB and the connection drops 10.5 MB in; the retry must ask for the rest only.
+    chunk, cut = 10 * 2**20, 11_000_000
+    hub.add(
+        train(2), random_shard(6_000_000, seed=2), mode="drop", cut=cut, then="serve"
+    )
+    result = fetch(hub, tmp_path, "2")
+    assert result.returncode == 0, result.stderr
+    assert_only_good_shards(tmp_path / "data", hub, [VAL, train(1), train(2)])
+    gets = [r for r in hub.file_gets() if r.filename == train(2)]
+    size = len(hub.served(train(2)))
+    assert [(r.range, r.status, r.sent) for r in gets] == [
+        (None, 200, cut),
+        (f"bytes={chunk}-", 206, size - chunk),
+    ]
+
+
+def test_sister_dataset_and_default_folder_beside_the_script(tmp_path):
+    # A copy of the script, run from another folder without --dir: files land beside the copy.
+    copy = tmp_path / "repo" / "data" / "cached_fineweb10B.py"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(SCRIPT, copy)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    edu = FakeHub(repo="kjj0/finewebedu10B-gpt2")
+    try:
+        edu.add("finewebedu_val_000000.bin", random_shard(1000, seed=7))
+        edu.add("finewebedu_train_000001.bin", random_shard(1500, seed=8))
+        result = subprocess.run(
+            [sys.executable, str(copy), "1", "--dataset", "finewebedu10B"],
+            check=False,
+            cwd=elsewhere,
+            env=env_for(edu.endpoint, tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        folder = copy.parent / "finewebedu10B"
+        assert_only_good_shards(
+            folder, edu, ["finewebedu_val_000000.bin", "finewebedu_train_000001.bin"]
+        )
+        assert os.listdir(elsewhere) == []
+    finally:
+        edu.stop()
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("corruption", ["corrupt", "short"])
+def test_bad_shard_on_the_hub_is_rejected(hub, tmp_path, corruption):
+    if corruption == "corrupt":
+        # The magic number is flipped.
+        hub.add(train(2), hub.served(train(2)), mode="corrupt")
+        why = "magic number 20240521"
+    else:
+        # The header promises more tokens than follow.
+        hub.add(train(2), hub.served(train(2))[:2048])
+        why = "header promises 3002 tokens"
+    result = fetch(hub, tmp_path, "2")
+    assert_clean_failure(result, train(2), "not a valid shard", why, "not kept")
+    # It really was downloaded, and then refused.
+    assert [r.filename for r in hub.file_gets()].count(train(2)) == 1
+    assert_only_good_shards(tmp_path / "data", hub, [VAL, train(1)])
+    assert f"missing: {train(2)}" in result.stdout
+
+
+def test_unreachable_hub_is_reported_and_good_shards_are_kept(hub, tmp_path):
+    assert fetch(hub, tmp_path, "1").returncode == 0
+    hub.stop()
+    start = time.monotonic()
+    result = fetch(hub, tmp_path, "2")
+    # Fails fast instead of retrying for ~20 s per file.
+    assert time.monotonic() - start < 10
+    assert_clean_failure(result, "cannot reach", hub.endpoint, "are kept")
+    assert_only_good_shards(tmp_path / "data", hub, [VAL, train(1)])
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-missing", "later"])
+def test_file_missing_on_the_hub(hub, tmp_path, first):
+    absent = train(1) if first else train(2)
+    hub.add(absent, b"", mode="missing")
+    if first:  # the run's first request (the reachability probe) is for the absent file
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / VAL).write_bytes(hub.served(VAL))
+    result = fetch(hub, tmp_path, "3")
+    assert_clean_failure(
+        result, f"{absent} was not found in the dataset kjj0/fineweb10B-gpt2"
+    )
+    # The others still come.
+    others = [n for n in (VAL, train(1), train(2), train(3)) if n != absent]
+    assert_only_good_shards(tmp_path / "data", hub, others)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["104"], ["-1"], ["2", "--workers", "0"], ["100", "--dataset", "finewebedu10B"]],
+)
+def test_bad_command_line(hub, tmp_path, args):
+    result = fetch(hub, tmp_path, *args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    expected = {
+        "104": "between 0 and 103",
+        "-1": "between 0 and 103",
+        "2": "--workers",
+        "100": "between 0 and 99",
+    }
+    assert expected[args[0]] in result.stderr
+    assert hub.requests() == []
+
+
+def test_dropped_connection_leaves_no_shard(hub, tmp_path):
+    # The server cuts the body after 3000 bytes and refuses the client's resume request.
+    hub.add(train(2), hub.served(train(2)), mode="drop", cut=3000, then="fail")
+    result = fetch(hub, tmp_path, "2", "--workers", "1")
+    assert_clean_failure(result, "503", train(2), "are kept")
+    gets = [r for r in hub.file_gets() if r.filename == train(2)]
+    assert [(r.status, r.sent) for r in gets] == [(200, 3000), (503, 0)]
+    dest = tmp_path / "data"
+    assert not (dest / train(2)).exists()
+    # Wherever a partial file might hide, the trainer refuses it.
+    for path in dest.rglob(train(2)):
+        assert not reader_accepts(path)
+    assert_only_good_shards(dest, hub, [VAL, train(1)])
+
+
+def test_disk_full_is_reported(hub, tmp_path):
+    # A file-size limit makes writes past 6000 bytes fail (EFBIG), as a full disk would (ENOSPC).
+    limit = 6000
+    assert len(hub.served(VAL)) < limit < len(hub.served(train(1)))
+    code = (
+        "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+    )
+    wrapper = ["-c", code]
+    result = fetch(hub, tmp_path, "1", "--workers", "1", wrapper=wrapper)
+    assert_clean_failure(result, "disk is full", train(1), "are kept")
+    assert_only_good_shards(tmp_path / "data", hub, [VAL])
+
+
+def test_not_enough_space_is_reported_before_downloading(
+    hub, tmp_path, monkeypatch, capsys
+):
+    spec = importlib.util.spec_from_file_location("cached_fineweb10B", SCRIPT)
+    fetcher = importlib.util.module_from_spec(spec)
+    # dataclasses look the module up in sys.modules.
+    monkeypatch.setitem(sys.modules, "cached_fineweb10B", fetcher)
+    spec.loader.exec_module(fetcher)
+    # Each shard an exabyte.
+    monkeypatch.setattr(fetcher, "probe", lambda ds, name: 10**18)
+    monkeypatch.setattr(
+        fetcher, "download_all", lambda *a: pytest.fail("must not start downloading")
+    )
+    assert fetcher.main(["2", "--dir", str(tmp_path / "data")]) == 1
+    assert "not enough disk space" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
+    ids=["ctrl-c", "term", "kill"],
+)
+def test_interrupted_download_leaves_no_shard(hub, tmp_path, sig):
+    good = hub.served(train(1))
+    # The server sends 3000 bytes, then hangs; the client would wait 60 s before retrying.
+    hub.add(train(1), good, mode="stall", cut=3000)
+    proc = subprocess.Popen(
+        command(tmp_path, "1", "--workers", "1"),
+        env=env_for(hub.endpoint, tmp_path, download_timeout=60),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hub.stalled.wait(30), "the download never started"
+        # A second run meanwhile is turned away, not let into .incoming/.
+        if sig == signal.SIGINT:
+            second = fetch(hub, tmp_path, "1")
+            assert_clean_failure(second, "another run is already downloading")
+        proc.send_signal(sig)
+        # It exits at once, not after the stalled download.
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    dest = tmp_path / "data"
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == 130
+        assert "interrupted" in err and "Traceback" not in err
+        assert not (dest / ".incoming").exists()
+    assert not (dest / train(1)).exists()
+    for path in glob.glob(str(dest / "fineweb_*.bin")):
+        assert reader_accepts(Path(path))
+
+    hub.add(train(1), good)  # the next run completes and clears any debris
+    result = fetch(hub, tmp_path, "1")
+    assert result.returncode == 0, result.stderr
+    assert_only_good_shards(dest, hub, [VAL, train(1)])
