@@ -1,0 +1,429 @@
+"""Tests for records/compare.py: log parsing, the t-test, the report and the plot."""
+
+import importlib.util
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "records" / "compare.py"
+
+# records/ is not a package: load the script as a module (registered first, as dataclasses
+# look their module up in sys.modules).
+_spec = importlib.util.spec_from_file_location("records_compare", SCRIPT)
+compare = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = compare
+_spec.loader.exec_module(compare)
+
+SUMMARY = re.compile(
+    r"^n=(\d+) mean=(\d+\.\d{4}) std=(\d+\.\d{4}) t=(-?\d+\.\d{2}) "
+    r"p=(\d\.\d{4}|\d\.\d{3}e[-+]\d\d) target=(\S+)$"
+)
+
+# A stand-in for the trainer's source at the top of every log. Its f-strings and the
+# docstring's example line look like step lines and must not be read as steps.
+FAKE_SOURCE = '''\
+"""Example output:
+step:99/99 val_loss:0.1234 train_time:5ms step_avg:5.00ms
+"""
+def log(step, N, val_loss, ms, avg):
+    print0(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{ms:.0f}ms step_avg:{avg:.2f}ms")
+    print0("=" * 100)
+'''
+
+SMI_TABLE = """\
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 550.54.15              Driver Version: 550.54.15      CUDA Version: 12.4     |
+|-----------------------------------------+------------------------+----------------------+
+| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
+|=========================================+========================+======================|
+{rows}
++-----------------------------------------------------------------------------------------+
+| Processes:                                                                              |
+|    0   N/A  N/A     12345      C   /usr/bin/python3                            1234MiB |
++-----------------------------------------------------------------------------------------+"""
+
+SMI_ROW = "|   {i}  NVIDIA H100 80GB HBM3          On  |   00000000:{i:02d}:00.0 Off |                    0 |"
+
+
+def make_log(
+    path,
+    val,
+    planned,
+    *,
+    ms_per_step=100.0,
+    finished=True,
+    public=False,
+    gpus=8,
+    peak=31563,
+    torch_version="2.11.0+cu128",
+):
+    """Write a log in the trainer's format (SPEC 9) and return its path.
+
+    `val` maps step -> val loss; train lines are written for every step in between.
+    `public=True` writes the public record logs' header: no "devices:" line and no
+    hyperparameters, the GPUs only in nvidia-smi's table. `finished=False` stops after the
+    last val step given, as a killed run would.
+    """
+    sep = "=" * 100
+    lines = [FAKE_SOURCE.rstrip("\n"), sep, "Running Python 3.11.7 (main) [GCC 12.2.0]"]
+    lines.append(f"Running PyTorch {torch_version} compiled for CUDA 12.8")
+    if not public:
+        lines.append(f"devices: {gpus} x NVIDIA H100 80GB HBM3")
+    lines.append(
+        SMI_TABLE.format(rows="\n".join(SMI_ROW.format(i=i) for i in range(gpus)))
+    )
+    lines.append(sep)
+    if not public:
+        lines += [
+            "hyperparameters:",
+            f"  num_iterations = {planned}",
+            "  val_loss_every = 125",
+        ]
+        lines += [
+            "train shards (1): data/fineweb10B/fineweb_train_000001.bin",
+            "val shards (1): data/fineweb10B/fineweb_val_000000.bin",
+            sep,
+        ]
+
+    def times(step):
+        timed = max(step - 10, 0)  # timing restarts at step 10
+        ms = timed * ms_per_step
+        avg = f"{ms / timed:.2f}" if timed else "nan"
+        return f"train_time:{ms:.0f}ms step_avg:{avg}ms"
+
+    last = max(val)
+    for step in range(last + 1):
+        if step in val:
+            lines.append(
+                f"step:{step}/{planned} val_loss:{val[step]:.4f} {times(step)}"
+            )
+        if step < last:
+            lines.append(f"step:{step + 1}/{planned} {times(step + 1)}")
+    if finished and last == planned and peak is not None:
+        lines.append(f"peak memory consumption: {peak} MiB")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def curve(final, planned=40, every=10):
+    """Val losses at 0, every, 2*every, ..., planned ending at `final`."""
+    steps = list(range(0, planned, every)) + [planned]
+    return {
+        s: (10.8258 if s == 0 else final + 1.0 * (planned - s) / planned) for s in steps
+    }
+
+
+def run_main(capsys, *argv):
+    code = compare.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ------------------------------------------------------------------------------ parsing
+
+
+def test_parse_trainer_log_reads_steps_and_header(tmp_path):
+    log = make_log(
+        tmp_path / "a.txt", curve(3.2785, planned=40), 40, ms_per_step=148.12
+    )
+    run = compare.parse_log(log)
+    assert (run.planned, run.steps_done) == (40, 40)
+    assert run.final_loss == pytest.approx(3.2785)
+    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]  # not step 99 from the source
+    assert run.train_time_ms == pytest.approx(round(30 * 148.12))
+    assert run.step_avg_ms == pytest.approx(148.12, abs=0.01)
+    assert run.peak_mib == 31563
+    assert run.torch_version == "2.11.0+cu128"
+    assert run.devices == "8 x NVIDIA H100 80GB HBM3"
+
+
+def test_devices_line_wins_over_nvidia_smi(tmp_path):
+    # A 2-process run on an 8-GPU machine: nvidia-smi lists 8 GPUs, the trainer says 2.
+    log = make_log(tmp_path / "a.txt", curve(3.3), 40, gpus=8)
+    text = log.read_text().replace("devices: 8 x", "devices: 2 x")
+    log.write_text(text)
+    assert compare.parse_log(log).devices == "2 x NVIDIA H100 80GB HBM3"
+
+
+def test_parse_public_log_takes_gpus_from_nvidia_smi(tmp_path):
+    log = make_log(tmp_path / "pub.txt", curve(3.279), 40, public=True, gpus=8)
+    run = compare.parse_log(log)
+    assert run.devices == "8 x NVIDIA H100 80GB HBM3"
+    assert run.final_loss == pytest.approx(3.279)
+
+
+def test_finished_without_peak_memory_line_is_still_finished(tmp_path):
+    run = compare.parse_log(make_log(tmp_path / "a.txt", curve(3.3), 40, peak=None))
+    assert run.peak_mib is None and run.final_loss == pytest.approx(3.3)
+
+
+def test_crlf_line_endings_are_read(tmp_path):
+    log = make_log(tmp_path / "a.txt", curve(3.3), 40)
+    log.write_bytes(log.read_bytes().replace(b"\n", b"\r\n"))
+    assert compare.parse_log(log).final_loss == pytest.approx(3.3)
+
+
+def test_two_runs_in_one_file_are_refused(tmp_path):
+    a = make_log(tmp_path / "a.txt", curve(3.3, planned=40), 40).read_text()
+    b = make_log(tmp_path / "b.txt", curve(3.3, planned=50), 50).read_text()
+    both = tmp_path / "both.txt"
+    both.write_text(a + b.split("=" * 100 + "\n")[-1])
+    with pytest.raises(compare.LogError, match="not one run"):
+        compare.parse_log(both)
+
+
+def test_unusable_logs_raise_with_a_reason(tmp_path):
+    unfinished = make_log(tmp_path / "unfinished.txt", {0: 10.8, 10: 5.0, 20: 4.0}, 40)
+    truncated = make_log(tmp_path / "truncated.txt", curve(3.3), 40, peak=None)
+    text = truncated.read_text()
+    truncated.write_text(
+        text[: text.rindex("val_loss:") + 12]
+    )  # cut inside the last line
+    source_only = tmp_path / "source.txt"
+    source_only.write_text(FAKE_SOURCE)
+    no_steps = tmp_path / "nosteps.txt"
+    no_steps.write_text(FAKE_SOURCE + "=" * 100 + "\nRunning Python 3.11\n")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(bytes(range(256)))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+
+    expected = {
+        unfinished: "unfinished (stopped at step 20 of 40)",
+        truncated: "truncated",
+        source_only: "not a log",
+        no_steps: "no step lines",
+        binary: "binary",
+        empty: "not a log",
+    }
+    for path, reason in expected.items():
+        with pytest.raises(compare.LogError, match=re.escape(reason)):
+            compare.parse_log(path)
+
+
+# ----------------------------------------------------------------------------- t-test
+
+
+@pytest.mark.parametrize(
+    "values,target",
+    [
+        ([3.2785, 3.2791, 3.2779, 3.2801, 3.2788], 3.28),
+        ([3.281, 3.279, 3.2805, 3.2795], 3.28),  # mean above the target: p > 0.5
+        ([3.30, 3.25], 3.28),  # df = 1
+        ([3.2700, 3.2710, 3.2705, 3.2702, 3.2708, 3.2701], 3.28),  # p far below 1e-4
+        ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 7.0),
+        (
+            [3.28 + 0.002 * math.sin(i) for i in range(80)],
+            3.2801,
+        ),  # record-sized sample
+    ],
+)
+def test_t_test_matches_scipy(values, target):
+    stats = pytest.importorskip("scipy.stats")
+    mean, std, t, p = compare.t_test_less(values, target)
+    ref = stats.ttest_1samp(values, target, alternative="less")
+    assert mean == pytest.approx(sum(values) / len(values), rel=1e-12)
+    assert std == pytest.approx(stats.tstd(values), rel=1e-10)
+    assert t == pytest.approx(ref.statistic, rel=1e-9)
+    assert p == pytest.approx(ref.pvalue, rel=1e-8, abs=1e-300)
+
+
+@pytest.mark.parametrize("t", [-30.0, -3.0, -1.0, -0.2, 0.0, 0.5, 2.0, 12.0])
+def test_t_cdf_closed_forms_for_one_and_two_degrees_of_freedom(t):
+    # df=1 is the Cauchy distribution; df=2 has an algebraic CDF.
+    assert compare.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, rel=1e-12)
+    assert compare.t_cdf(t, 2) == pytest.approx(
+        0.5 + t / (2 * math.sqrt(2 + t * t)), rel=1e-12
+    )
+
+
+@pytest.mark.parametrize("t", [-4.0, -2.326, -1.0, 0.3, 1.645])
+def test_t_cdf_approaches_the_normal_for_large_df(t):
+    normal = 0.5 * (1 + math.erf(t / math.sqrt(2)))
+    assert compare.t_cdf(t, 1e6) == pytest.approx(normal, rel=1e-4)
+
+
+def test_t_cdf_tiny_tail_keeps_relative_precision():
+    # df=1: P(T <= -1e6) = atan-based tail, about 3.18e-7; 1 - (1 - p) would lose digits.
+    t = -1e6
+    exact = (
+        math.atan(1 / -t) / math.pi
+    )  # 1/2 + atan(t)/pi, rewritten without cancellation
+    assert compare.t_cdf(t, 1) == pytest.approx(exact, rel=1e-10)
+
+
+def test_t_test_with_zero_std_does_not_crash():
+    assert compare.t_test_less([3.27, 3.27, 3.27], 3.28)[3] == 0.0
+    _, std, t, p = compare.t_test_less([3.29, 3.29], 3.28)
+    assert (std, t, p) == (0.0, math.inf, 1.0)
+    with pytest.raises(ValueError):
+        compare.t_test_less([3.27], 3.28)
+
+
+@pytest.mark.parametrize(
+    "p,text",
+    [
+        (0.0123, "0.0123"),
+        (0.5, "0.5000"),
+        (1.0, "1.0000"),
+        (0.0001, "0.0001"),
+        (2.3e-8, "2.300e-08"),
+        (9.87654e-5, "9.877e-05"),
+        (0.0, "0.000e+00"),
+    ],
+)
+def test_format_p(p, text):
+    assert compare.format_p(p) == text
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def test_report_has_rows_shared_steps_and_summary_last(tmp_path, capsys):
+    finals = [3.2785, 3.2791, 3.2779]
+    logs = [
+        make_log(tmp_path / f"run{i}.txt", curve(f), 40) for i, f in enumerate(finals)
+    ]
+    # A killed run is named on stderr and left out of the tables and the t-test.
+    make_log(tmp_path / "killed.txt", {0: 10.8258, 15: 5.0}, 40, finished=False)
+    code, out, err = run_main(capsys, *logs, tmp_path / "killed.txt")
+    assert code == 0
+    assert "killed.txt" in err and "unfinished" in err and "killed.txt" not in out
+    lines = out.strip().splitlines()
+    for log in logs:
+        assert sum(str(log) in line for line in lines) == 1
+    assert re.search(
+        r"40/40\s+3\.2785\s+3\.0\s+100\.00\s+31563 MiB\s+2\.11\.0\+cu128\s+8 x NVIDIA H100",
+        out,
+    )
+    shared = [
+        line.split() for line in lines if re.match(r"^\s*\d+(\s+\d+\.\d{4}){3}$", line)
+    ]
+    assert [row[0] for row in shared] == ["0", "10", "20", "30", "40"]
+    assert shared[-1][1:] == ["3.2785", "3.2791", "3.2779"]
+
+    m = SUMMARY.match(lines[-1])
+    assert m, lines[-1]
+    mean, std, t, p = compare.t_test_less(finals, 3.28)
+    assert m.groups() == (
+        "3",
+        f"{mean:.4f}",
+        f"{std:.4f}",
+        f"{t:.2f}",
+        compare.format_p(p),
+        "3.28",
+    )
+
+
+def test_shared_steps_are_the_intersection(tmp_path):
+    a = compare.parse_log(make_log(tmp_path / "a.txt", curve(3.28, 40, every=10), 40))
+    b = compare.parse_log(make_log(tmp_path / "b.txt", curve(3.27, 40, every=20), 40))
+    table = compare.shared_steps_table([a, b])
+    assert [line.split()[0] for line in table.splitlines()[2:]] == ["0", "20", "40"]
+
+
+def test_target_option_changes_the_test(tmp_path, capsys):
+    logs = [
+        make_log(tmp_path / f"r{i}.txt", curve(f), 40)
+        for i, f in enumerate([3.30, 3.31])
+    ]
+    _, out, _ = run_main(capsys, *logs, "--target", "3.5")
+    m = SUMMARY.match(out.strip().splitlines()[-1])
+    assert m.group(6) == "3.5" and float(m.group(4)) < 0 and float(m.group(5)) < 0.05
+    _, out, _ = run_main(capsys, *logs)
+    m = SUMMARY.match(out.strip().splitlines()[-1])
+    assert m.group(6) == "3.28" and float(m.group(4)) > 0 and float(m.group(5)) > 0.5
+
+
+def test_equal_losses_give_a_note_and_a_summary(tmp_path, capsys):
+    logs = [make_log(tmp_path / f"r{i}.txt", curve(3.27), 40) for i in range(2)]
+    _, out, _ = run_main(capsys, *logs)
+    lines = out.strip().splitlines()
+    assert "std 0" in lines[-2]
+    assert lines[-1] == "n=2 mean=3.2700 std=0.0000 t=-inf p=0.000e+00 target=3.28"
+
+
+def test_directory_argument_and_single_run(tmp_path, capsys):
+    make_log(tmp_path / "logs" / "sub" / "one.txt", curve(3.28), 40)
+    (tmp_path / "logs" / "notes.md").write_text("not a txt, ignored")
+    code, out, err = run_main(capsys, tmp_path / "logs", tmp_path / "missing.txt")
+    assert code == 0
+    assert "one.txt" in out and "n=" not in out and "two or more" in out
+    assert "missing.txt: no such file" in err
+
+
+def test_nothing_usable_is_an_error_not_a_traceback(tmp_path, capsys):
+    junk = tmp_path / "junk.txt"
+    junk.write_text("hello\n")
+    code, _, err = run_main(capsys, junk)
+    assert code == 1 and "junk.txt: not a log" in err and "Traceback" not in err
+
+
+def test_command_line_script(tmp_path):
+    logs = [
+        make_log(tmp_path / f"r{i}.txt", curve(f), 40)
+        for i, f in enumerate([3.27, 3.275])
+    ]
+    broken = tmp_path / "broken.txt"
+    broken.write_bytes(b"\xff\xfe garbage")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "broken.txt" in proc.stderr and "Traceback" not in proc.stderr
+    assert SUMMARY.match(proc.stdout.strip().splitlines()[-1])
+    assert all(str(log) in proc.stdout for log in logs)
+
+
+# -------------------------------------------------------------------------------- plot
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    logs = [
+        make_log(tmp_path / f"r{i}.txt", curve(f), 40)
+        for i, f in enumerate([3.27, 3.29])
+    ]
+    out_png = tmp_path / "plot.png"
+    code, out, _ = run_main(capsys, *logs, "--plot", out_png)
+    assert code == 0 and out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert SUMMARY.match(out.strip().splitlines()[-1])
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
+    # A None entry in sys.modules makes "import matplotlib" raise ImportError.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    log = make_log(tmp_path / "r.txt", curve(3.27), 40)
+    code, _, err = run_main(capsys, log, "--plot", tmp_path / "p.png")
+    assert code == 2 and "pip install matplotlib" in err
+    assert not (tmp_path / "p.png").exists()
+
+
+# ------------------------------------------------------------------------ smoke runs
+
+
+def test_smoke_run_logs(smoke_logs, capsys):
+    """Logs written by real smoke runs of the trainer parse and compare."""
+    assert len(smoke_logs) >= 2
+    for log in smoke_logs:
+        run = compare.parse_log(log)  # raises if unfinished
+        assert run.steps_done == run.planned and math.isfinite(run.final_loss)
+        assert run.torch_version != "?" and run.devices != "?"
+    code, out, _ = run_main(capsys, *smoke_logs)
+    assert code == 0
+    lines = out.strip().splitlines()
+    for log in smoke_logs:
+        assert sum(str(log) in line for line in lines) == 1
+    assert SUMMARY.match(lines[-1]) and lines[-1].startswith(f"n={len(smoke_logs)} ")
