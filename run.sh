@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -eq 0 ]; then
-    echo "run.sh: no CUDA GPU visible. For a CPU smoke run (minutes):" >&2
-    echo "  python train_gpt.py --preset smoke --train_files 'data/fineweb10B/fineweb_train_*.bin'" >&2
+    echo "run.sh: no CUDA GPU visible. For a CPU smoke run (about a minute), see README.md:" >&2
+    echo "  python train_gpt.py --preset smoke" >&2
     exit 1
 fi
 exec torchrun --standalone --nproc_per_node="$gpus" train_gpt.py "$@"

@@ -451,6 +451,11 @@ def window_blocks_at(step, args):
     return int(((1 - x) * args.window_start + x * args.window_end) // BLOCK_SIZE)
 
 
+def step_avg(train_time_ms, steps_done):
+    """Mean ms per timed step; the first 10 steps (compilation, warm-up) are not timed."""
+    return train_time_ms / (steps_done - 10) if steps_done > 10 else float("nan")
+
+
 def micro_batch_plan(args, world_size):
     """Per-rank micro-batch size and count for the fixed global batch; clear errors where it cannot work."""
     if args.batch_size % world_size:
@@ -588,7 +593,6 @@ def train(args):
         if step == 10:  # the first steps compile and warm up; the clock restarts here
             train_time_ms = 0.0
             t0 = time.perf_counter()
-        timed_steps = step - 10 if step > 10 else float("nan")
         window_blocks.fill_(window_blocks_at(step, args))
 
         if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
@@ -596,7 +600,7 @@ def train(args):
             train_time_ms += 1000 * (time.perf_counter() - t0)
             val_loss = evaluate(model, val_loader, args, val_batch, window_blocks, world_size)
             log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_time_ms:.0f}ms "
-                f"step_avg:{train_time_ms / timed_steps:.2f}ms")
+                f"step_avg:{step_avg(train_time_ms, step):.2f}ms")
             synchronize()
             t0 = time.perf_counter()
         if last_step:
@@ -621,7 +625,7 @@ def train(args):
             opt.step()
         raw_model.zero_grad(set_to_none=True)
         approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: the step stays asynchronous
-        log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1 - 10) if step + 1 > 10 else float('nan'):.2f}ms")
+        log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{step_avg(approx_ms, step + 1):.2f}ms")
 
     if use_cuda:
         peak_mib = torch.cuda.max_memory_allocated() // 2 ** 20

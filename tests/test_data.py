@@ -135,3 +135,13 @@ def test_every_hyperparameter_is_a_command_line_option(capsys):
     for field in train_gpt.fields(train_gpt.Hyperparameters):
         assert f"--{field.name}" in help_text
     assert "default: 1390" in help_text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="would start a real run")
+def test_run_sh_without_gpu_points_at_the_smoke_preset():
+    import subprocess
+
+    from conftest import REPO
+    result = subprocess.run(["bash", str(REPO / "run.sh")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "no CUDA GPU" in result.stderr and "--preset smoke" in result.stderr

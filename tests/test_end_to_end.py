@@ -58,5 +58,6 @@ def test_smoke_run_learns_the_markov_chain(smoke_runs, markov_shards):
     entropy = unigram_entropy(markov_shards[2])
     final = losses[max(losses)]
     assert losses[0] == round(LN_VOCAB, 4)
-    assert final < entropy - 1.0, f"final val loss {final} vs unigram entropy {entropy:.3f}"
+    # the chain allows about ln 4 = 1.39 nats; the unigram entropy is about 5.4
+    assert final < entropy - 2.5, f"final val loss {final} vs unigram entropy {entropy:.3f}"
     assert list(losses.values()) == sorted(losses.values(), reverse=True)  # improves at every evaluation

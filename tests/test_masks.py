@@ -80,3 +80,22 @@ def test_window_change_keeps_the_same_mask_shapes():
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         assert getattr(narrow, name).shape == getattr(wide, name).shape, name
     assert narrow.kv_num_blocks.sum() + narrow.full_kv_num_blocks.sum() < wide.kv_num_blocks.sum() + wide.full_kv_num_blocks.sum()
+
+
+def test_growing_window_does_not_recompile_mask_and_attention():
+    # as on the GPU: the mask is built inside the compiled region from the window tensor
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def attend(tokens, q, k, v, window_blocks):
+        return flex_attention(q, k, v, block_mask=build_block_mask(tokens, window_blocks))
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(attend, backend=counter, dynamic=False)
+    tokens = layout("short_docs", seed=3)
+    q, k, v = (torch.randn(1, 2, SEQ, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    window_blocks = torch.tensor(1, dtype=torch.int32)
+    for window in (1, 2, 3, 4):
+        window_blocks.fill_(window)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=reference_mask(tokens, window))
+        torch.testing.assert_close(compiled(tokens, q, k, v, window_blocks), expected, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1

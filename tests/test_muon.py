@@ -1,6 +1,5 @@
 """Newton-Schulz against a float64 re-implementation, and Muon in 2 processes against 1."""
 import os
-import socket
 
 import pytest
 import torch
@@ -63,11 +62,11 @@ SHAPES = [(32, 48), (32, 48), (32, 48), (48, 16), (16, 24)]  # 3 of one size: un
 STEPS = 3
 
 
-def muon_run(rank, world_size, port, out_path):
+def muon_run(rank, world_size, rendezvous, out_path):
     """Train the same parameters with the same gradients for a few steps; save the result."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if world_size > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))  # Muon reads these
+    if world_size > 1:  # a file rendezvous: no port to race for with other tests
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
     optimizer = Muon(params, lr=0.05, momentum=0.9)
@@ -80,12 +79,6 @@ def muon_run(rank, world_size, port, out_path):
         torch.save([p.detach() for p in params], out_path)
     if world_size > 1:
         dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def muon_reference(shapes, steps):
@@ -104,8 +97,8 @@ def muon_reference(shapes, steps):
 
 
 def test_muon_two_processes_match_one(tmp_path):
-    mp.spawn(muon_run, args=(1, free_port(), tmp_path / "one.pt"), nprocs=1)
-    mp.spawn(muon_run, args=(2, free_port(), tmp_path / "two.pt"), nprocs=2)
+    mp.spawn(muon_run, args=(1, tmp_path / "rendezvous1", tmp_path / "one.pt"), nprocs=1)
+    mp.spawn(muon_run, args=(2, tmp_path / "rendezvous2", tmp_path / "two.pt"), nprocs=2)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for a, b in zip(one, two):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
