@@ -89,7 +89,8 @@ class SmokeRuns:
 
     # the same short run as 1 and as 2 processes, and the whole smoke preset as 1 process
     def short(self, nproc):
-        return self.log(f"short_{nproc}proc", nproc, "--num_iterations", "8", "--val_loss_every", "4")
+        extra = ["--save_checkpoint", "true"] if nproc == 1 else []
+        return self.log(f"short_{nproc}proc", nproc, "--num_iterations", "8", "--val_loss_every", "4", *extra)
 
     def full(self):
         return self.log("full_1proc", 1)

@@ -61,3 +61,26 @@ def test_smoke_run_learns_the_markov_chain(smoke_runs, markov_shards):
     # the chain allows about ln 4 = 1.39 nats; the unigram entropy is about 5.4
     assert final < entropy - 2.5, f"final val loss {final} vs unigram entropy {entropy:.3f}"
     assert list(losses.values()) == sorted(losses.values(), reverse=True)  # improves at every evaluation
+
+
+def test_checkpoint_is_the_final_model_and_reproduces_the_final_val_loss(smoke_runs, markov_shards):
+    import torch
+
+    import train_gpt
+
+    log = smoke_runs.short(1)
+    (checkpoint,) = log.parent.glob(f"{log.stem}/state_step000008.pt")
+    state = torch.load(checkpoint)
+    assert state["step"] == 8 and state["code"] == SOURCE
+    args = train_gpt.Hyperparameters(**state["args"])
+    model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
+                          args.attention_free_layer, args.bf16_embeds)
+    model.load_state_dict(state["model"])
+    # the val loss recomputed here, chunk by chunk from the val tokens, must be the logged one
+    val = torch.tensor(markov_shards[2][:args.val_tokens + 1])
+    window = torch.tensor(train_gpt.window_blocks_at(8, args), dtype=torch.int32)
+    chunk = args.max_device_batch_size
+    with torch.no_grad():
+        losses = [model(val[i:i + chunk].int(), val[i + 1:i + chunk + 1], window)
+                  for i in range(0, args.val_tokens, chunk)]
+    assert abs(torch.stack(losses).mean().item() - val_losses(log)[8]) < 1e-4
