@@ -193,8 +193,8 @@ class CastedLinear(nn.Linear):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (Su et al., RoFormer) on half the dimensions: the other quarter-pairs
-    get frequency 0 and pass unrotated."""
+    """Rotary position embedding (Su et al., RoFormer), half-truncated: half of the dimension pairs
+    rotate, the other half have frequency 0 and pass unchanged."""
 
     def __init__(self, head_dim, max_seq_len=65536):
         super().__init__()
@@ -403,7 +403,8 @@ class DistributedDataLoader:
         if not self.files:
             raise UserError(f"no data shard matches {files_pattern!r}: {FETCH_HINT}, "
                             "or point --train_files/--val_files at your shards")
-        self.num_tokens = [read_shard_header(f) for f in self.files]  # fail now, not hours in
+        for path in self.files:  # a bad shard fails now, not hours into the run
+            read_shard_header(path)
         self.rank, self.world_size, self.device = rank, world_size, device
         self.reset()
 
@@ -640,6 +641,8 @@ def train(args):
                    os.path.join(ckpt_dir, f"state_step{N:06d}.pt"))
     if log_file:
         log_file.close()
+    if world_size > 1:
+        dist.barrier()  # no rank tears the process group down while another still writes or reduces
     return 0
 
 

@@ -78,6 +78,7 @@ def muon_run(rank, world_size, rendezvous, out_path):
     if rank == 0:
         torch.save([p.detach() for p in params], out_path)
     if world_size > 1:
+        dist.barrier()  # tear down together: a rank leaving early can abort gloo's threads in the other
         dist.destroy_process_group()
 
 
