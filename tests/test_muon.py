@@ -1,12 +1,14 @@
 """Newton-Schulz against a float64 re-implementation, and Muon in 2 processes against 1."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import train_gpt
+from muon_worker import SHAPES, STEPS
 from train_gpt import Muon, zeropower_via_newtonschulz5
 
 
@@ -58,28 +60,16 @@ def test_newton_schulz_ignores_the_scale_of_its_input():
 
 # --- Muon, distributed ------------------------------------------------------------------------
 
-SHAPES = [(32, 48), (32, 48), (32, 48), (48, 16), (16, 24)]  # 3 of one size: uneven over 2 ranks
-STEPS = 3
+WORKER = Path(__file__).with_name("muon_worker.py")
 
 
-def muon_run(rank, world_size, rendezvous, out_path):
-    """Train the same parameters with the same gradients for a few steps; save the result."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))  # Muon reads these
-    if world_size > 1:  # a file rendezvous: no port to race for with other tests
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
-    optimizer = Muon(params, lr=0.05, momentum=0.9)
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(100 + step)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-        optimizer.step()
-    if rank == 0:
-        torch.save([p.detach() for p in params], out_path)
-    if world_size > 1:
-        dist.barrier()  # tear down together: a rank leaving early can abort gloo's threads in the other
-        dist.destroy_process_group()
+def run_worker(out_path, nproc):
+    """The worker as one process, or as 2 under torchrun with gloo, the way the trainer runs."""
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    result = subprocess.run([sys.executable, *launcher, str(WORKER), str(out_path)],
+                            capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out_path)
 
 
 def muon_reference(shapes, steps):
@@ -98,9 +88,7 @@ def muon_reference(shapes, steps):
 
 
 def test_muon_two_processes_match_one(tmp_path):
-    mp.spawn(muon_run, args=(1, tmp_path / "rendezvous1", tmp_path / "one.pt"), nprocs=1)
-    mp.spawn(muon_run, args=(2, tmp_path / "rendezvous2", tmp_path / "two.pt"), nprocs=2)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two = run_worker(tmp_path / "one.pt", 1), run_worker(tmp_path / "two.pt", 2)
     for a, b in zip(one, two):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     for a, ref in zip(one, muon_reference(SHAPES, STEPS)):
