@@ -540,14 +540,14 @@ def train(args):
     if world_size > 1:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
 
-    log_file = None
+    log_file, source = None, Path(__file__).read_text()
     if master:
         os.makedirs(args.log_dir, exist_ok=True)
         run_id = str(uuid.uuid4())
         log_path = os.path.join(args.log_dir, f"{run_id}.txt")
         log_file = open(log_path, "w")
         print(f"logging to {log_path}")
-        log_file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+        log_file.write(source + "\n" + "=" * 100 + "\n")
 
     def log(line, console=True):
         if master:
@@ -636,7 +636,7 @@ def train(args):
     if master and args.save_checkpoint:
         ckpt_dir = os.path.join(args.log_dir, run_id)
         os.makedirs(ckpt_dir, exist_ok=True)
-        torch.save(dict(step=N, code=Path(__file__).read_text(), args=asdict(args), model=raw_model.state_dict(),
+        torch.save(dict(step=N, code=source, args=asdict(args), model=raw_model.state_dict(),
                         optimizers=[opt.state_dict() for opt in optimizers]),
                    os.path.join(ckpt_dir, f"state_step{N:06d}.pt"))
     if log_file:

@@ -1,9 +1,9 @@
 """Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and learning."""
 import re
 
-from conftest import LN_VOCAB, unigram_entropy
+from conftest import LN_VOCAB, REPO, unigram_entropy
 
-SOURCE = (__import__("conftest").REPO / "train_gpt.py").read_text()
+SOURCE = (REPO / "train_gpt.py").read_text()
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
 TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
 
