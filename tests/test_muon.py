@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_gpt
-from muon_worker import SHAPES, STEPS
+from muon_worker import SHAPES, STEPS, gradients
 from train_gpt import Muon, zeropower_via_newtonschulz5
 
 
@@ -73,14 +73,12 @@ def run_worker(out_path, nproc):
 
 
 def muon_reference(shapes, steps):
-    """Muon written plainly in float64 (besides the bf16 Newton-Schulz it must match)."""
+    """Muon written plainly: one process, one matrix at a time, no chunks and no gathers."""
     torch.manual_seed(0)
     params = [torch.randn(shape) for shape in shapes]
     buffers = [torch.zeros(shape) for shape in shapes]
     for step in range(steps):
-        gen = torch.Generator().manual_seed(100 + step)
-        for i, p in enumerate(params):
-            g = torch.randn(p.shape, generator=gen)
+        for i, (p, g) in enumerate(zip(params, gradients(step, params))):
             buffers[i] = 0.9 * buffers[i] + 0.1 * g
             update = zeropower_via_newtonschulz5(0.1 * g + 0.9 * buffers[i], 5).float()
             p -= 0.05 * max(1, p.shape[0] / p.shape[1]) ** 0.5 * update
