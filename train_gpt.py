@@ -37,6 +37,7 @@ class Hyperparameters:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
     val_tokens: int = 10_485_760  # the first 10,485,760 val tokens, fixed by the record rules
+    allow_data_repeat: bool = False  # let a run read the train stream more than once (never a record)
     # batch: tokens per optimiser step, whatever the number of processes
     batch_size: int = 8 * 64 * 1024
     max_device_batch_size: int = 64 * 1024  # one packed sequence per forward; longer shares accumulate
@@ -58,6 +59,7 @@ class Hyperparameters:
     scalar_lr: float = 0.04
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
+    adam_eps: float = 1e-8  # PyTorch's default, as in record 18 (a later record's 1e-10 is worse here)
     muon_lr: float = 0.05
     muon_momentum_start: float = 0.85
     muon_momentum: float = 0.95
@@ -67,6 +69,7 @@ class Hyperparameters:
     log_dir: str = "logs"
     save_checkpoint: bool = False
     compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
+    compile_tuning: bool = False  # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compile
     seed: int = 0
 
 
@@ -93,20 +96,25 @@ class UserError(Exception):
 # Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024)
 
 
-def zeropower_via_newtonschulz5(G, steps):
-    """Roughly orthogonalise G: a quintic Newton-Schulz iteration whose coefficients are tuned to push
-    singular values towards 1 fast, not exactly (they land near 0.7 to 1.2). Runs in bfloat16."""
-    assert G.ndim == 2
+def newton_schulz_wide(X, steps):
+    """The iteration on a wide or square bf16 matrix; Muon compiles this part (one graph per shape)."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.bfloat16()
-    tall = G.size(0) > G.size(1)
-    if tall:  # iterate on the smaller Gram matrix
-        X = X.T
     X = X / (X.norm() + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
         A = X @ X.T
         B = b * A + c * A @ A
         X = a * X + B @ X
+    return X
+
+
+def zeropower_via_newtonschulz5(G, steps, iterate=newton_schulz_wide):
+    """Roughly orthogonalise G: a quintic Newton-Schulz iteration whose coefficients are tuned to push
+    singular values towards 1 fast, not exactly (they land near 0.7 to 1.2). Runs in bfloat16."""
+    assert G.ndim == 2
+    tall = G.size(0) > G.size(1)
+    # iterate on the smaller Gram matrix; contiguous, so a tall matrix and its wide twin share one graph
+    X = (G.T if tall else G).to(torch.bfloat16, memory_format=torch.contiguous_format)
+    X = iterate(X, steps)
     return X.T if tall else X
 
 
@@ -119,21 +127,24 @@ class Muon(torch.optim.Optimizer):
     Gradients must already be averaged across ranks (DDP does it).
     """
 
-    def __init__(self, params, lr, momentum, nesterov=True, ns_steps=5):
+    def __init__(self, params, lr, momentum, nesterov=True, ns_steps=5, compiled=False):
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         params = list(params)
         sizes = sorted({p.numel() for p in params}, reverse=True)
         groups = [dict(params=[p for p in params if p.numel() == n]) for n in sizes]
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
+        # compiled as in record 18; static shapes: one graph per matrix shape, never a recompile per step
+        self.iterate = torch.compile(newton_schulz_wide, dynamic=False) if compiled else newton_schulz_wide
+        # slot r of a group's buffer receives rank r's update; allocated once, outside the state
+        # so that checkpoints stay small
+        self.gathered = [torch.empty(self.world_size * n, dtype=torch.bfloat16, device=params[0].device) for n in sizes]
 
     @torch.no_grad()
     def step(self):
-        for group in self.param_groups:
+        for group, gathered in zip(self.param_groups, self.gathered):
             params = group["params"]
             numel = params[0].numel()
-            # slot r of the buffer receives rank r's update; outside the state so checkpoints stay small
-            gathered = torch.empty(self.world_size * numel, dtype=torch.bfloat16, device=params[0].device)
             pending = None
             for start in range(0, len(params), self.world_size):
                 mine = start + self.rank
@@ -160,7 +171,7 @@ class Muon(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         buf.lerp_(p.grad, 1 - m)  # buf = m*buf + (1-m)*g
         update = p.grad.lerp(buf, m) if group["nesterov"] else buf
-        return zeropower_via_newtonschulz5(update, group["ns_steps"])
+        return zeropower_via_newtonschulz5(update, group["ns_steps"], self.iterate)
 
     @staticmethod
     def _apply(chunk, handle, gathered, lr):
@@ -353,7 +364,17 @@ def build_dense_mask(inputs, window_blocks):
 # Data: token shards (SPEC 3) and the loader every rank walks in step
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
-FETCH_HINT = "fetch FineWeb with `python data/cached_fineweb10B.py 9`"
+FINEWEB_SHARD_TOKENS = 100_000_000  # each FineWeb train shard on the hub
+REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
+
+
+def fetch_hint(num_iterations, batch_size):
+    """The command that fetches the FineWeb train shards a run reads (plus the val shard)."""
+    needed = -(-num_iterations // ((FINEWEB_SHARD_TOKENS - 2) // batch_size))  # whole batches per shard
+    if needed <= 1:
+        return "fetch FineWeb with `python data/cached_fineweb10B.py 1`"
+    # one spare shard, the record's usual advice (9 for the 8 that 1390 steps read)
+    return f"fetch FineWeb with `python data/cached_fineweb10B.py {needed + 1}` (this run reads {needed} train shards)"
 
 
 def read_shard_header(path):
@@ -362,7 +383,7 @@ def read_shard_header(path):
     with open(path, "rb") as f:
         header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
     if len(header) < 256:
-        raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the 1024-byte header); {FETCH_HINT}")
+        raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the 1024-byte header); {REFETCH_HINT}")
     if header[0] != SHARD_MAGIC:
         raise UserError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
     if header[1] != SHARD_VERSION:
@@ -370,7 +391,7 @@ def read_shard_header(path):
     num_tokens = int(header[2])
     if size != HEADER_BYTES + 2 * num_tokens:
         raise UserError(f"{path}: header says {num_tokens} tokens ({HEADER_BYTES + 2 * num_tokens} bytes) "
-                        f"but the file has {size} bytes (truncated or corrupt); {FETCH_HINT}")
+                        f"but the file has {size} bytes (truncated or corrupt); {REFETCH_HINT}")
     return num_tokens
 
 
@@ -398,15 +419,22 @@ def write_data_shard(path, tokens):
 class DistributedDataLoader:
     """All ranks walk one global token stream; of each global batch, rank r takes the r-th share."""
 
-    def __init__(self, files_pattern, rank, world_size, device):
+    def __init__(self, files_pattern, rank, world_size, device, hint=None):
         self.files = sorted(glob.glob(files_pattern))
         if not self.files:
-            raise UserError(f"no data shard matches {files_pattern!r}: {FETCH_HINT}, "
+            raise UserError(f"no data shard matches {files_pattern!r}: {hint or fetch_hint(1, 1)}, "
                             "or point --train_files/--val_files at your shards")
-        for path in self.files:  # a bad shard fails now, not hours into the run
-            read_shard_header(path)
+        self.sizes = [read_shard_header(path) for path in self.files]  # a bad shard fails now, not hours in
         self.rank, self.world_size, self.device = rank, world_size, device
         self.reset()
+
+    def batches_before_wrap(self, batch_size):
+        """Whole batches the shards give, in next_batch's way, before the stream starts over."""
+        for path, n in zip(self.files, self.sizes):
+            if n < batch_size + 2:  # next_batch takes a batch while pos + batch + 1 < tokens
+                raise UserError(f"{path}: {n:,} tokens, fewer than one batch of {batch_size:,} + 2 "
+                                "(the last target and the loader's margin): use other shards or a smaller batch")
+        return sum((n - 2) // batch_size for n in self.sizes)
 
     def reset(self):
         self._load(0)
@@ -474,16 +502,16 @@ def micro_batch_plan(args, world_size):
     return micro, share // micro, val_batch
 
 
-def build_optimizers(model, args):
+def build_optimizers(model, args, compiled=False):
     """Adam for embeddings, head and scalars; Muon for the matrices inside the blocks."""
     adam_groups = [
         dict(params=[model.embed.weight, *(t.weight for t in model.value_embeds)], lr=args.embed_lr),
         dict(params=[model.lm_head.weight], lr=args.head_lr),
         dict(params=[p for p in model.parameters() if p.ndim < 2], lr=args.scalar_lr),
     ]
-    adam = torch.optim.Adam(adam_groups, betas=(args.adam_beta1, args.adam_beta2), eps=1e-10, fused=True)  # fused: CUDA and CPU
+    adam = torch.optim.Adam(adam_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)  # fused: CUDA and CPU
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
-    muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum)
+    muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum, compiled=compiled)
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -535,8 +563,22 @@ def train(args):
     else:
         device = torch.device("cpu")
     compile_model = args.compile == "true" or (args.compile == "auto" and use_cuda)
-    train_loader = DistributedDataLoader(args.train_files, rank, world_size, device)
-    val_loader = DistributedDataLoader(args.val_files, rank, world_size, device)
+    hint = fetch_hint(args.num_iterations, args.batch_size)
+    train_loader = DistributedDataLoader(args.train_files, rank, world_size, device, hint)
+    val_loader = DistributedDataLoader(args.val_files, rank, world_size, device, hint)
+    # the data budget, from the shard headers alone: the loader would wrap around silently
+    train_batches = train_loader.batches_before_wrap(args.batch_size)
+    passes = args.num_iterations / train_batches
+    if passes > 1 and not args.allow_data_repeat:
+        raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} train tokens "
+                        f"({args.num_iterations * args.batch_size:,} tokens) but the train shards hold "
+                        f"{sum(train_loader.sizes):,}, enough for {train_batches} without repeating: {hint}, "
+                        "lower --num_iterations, or pass --allow_data_repeat true to reuse tokens")
+    val_batches = val_loader.batches_before_wrap(val_batch)
+    if args.val_tokens // val_batch > val_batches:
+        raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
+                        f"({sum(val_loader.sizes):,} tokens, {val_batches * val_batch:,} in whole batches of "
+                        f"{val_batch:,}): lower --val_tokens, or add val shards")
     if world_size > 1:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
 
@@ -564,16 +606,19 @@ def train(args):
         log(f"  {name} = {value}", console=False)
     log(f"train shards ({len(train_loader.files)}): {' '.join(train_loader.files)}", console=False)
     log(f"val shards ({len(val_loader.files)}): {' '.join(val_loader.files)}", console=False)
+    log(f"train data: {args.num_iterations * args.batch_size:,} tokens read, {passes:.2f} passes over the shards",
+        console=False)
     log("=" * 100, console=False)
 
     torch.manual_seed(args.seed)
     raw_model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
                     args.attention_free_layer, args.bf16_embeds).to(device)
-    optimizers = build_optimizers(raw_model, args)
+    optimizers = build_optimizers(raw_model, args, compiled=compile_model)
     model = raw_model
     if compile_model:
-        from torch._inductor import config as inductor_config
-        inductor_config.coordinate_descent_tuning = True
+        if args.compile_tuning:  # record 18 sets no inductor option; H100: first compile 514 s instead of 120 s
+            from torch._inductor import config as inductor_config
+            inductor_config.coordinate_descent_tuning = True
         model = torch.compile(model, dynamic=False)
     ddp_model = model
     if world_size > 1:
@@ -602,6 +647,13 @@ def train(args):
             val_loss = evaluate(model, val_loader, args, val_batch, window_blocks, world_size)
             log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_time_ms:.0f}ms "
                 f"step_avg:{step_avg(train_time_ms, step):.2f}ms")
+            if not math.isfinite(val_loss):  # every rank sees the same reduced loss, so all stop here
+                message = (f"val loss is {val_loss} at step {step}: training diverged, most likely a learning rate "
+                           "too high for this configuration (--muon_lr, --embed_lr, --head_lr, --scalar_lr)")
+                log(f"error: {message}", console=False)
+                if log_file:
+                    log_file.close()
+                raise UserError(message)
             synchronize()
             t0 = time.perf_counter()
         if last_step:

@@ -88,11 +88,77 @@ def run_main(capsys, *argv):
     return err
 
 
-def test_missing_data_points_at_the_fetch_script(tmp_path, capsys):
-    err = run_main(capsys, "--preset", "smoke", "--train_files", str(tmp_path / "none_*.bin"),
-                   "--log_dir", str(tmp_path / "logs"))
-    assert "python data/cached_fineweb10B.py 9" in err and "none_*.bin" in err
+def test_missing_data_asks_for_as_many_shards_as_the_run_reads(tmp_path, capsys):
+    missing = ["--train_files", str(tmp_path / "none_*.bin"), "--log_dir", str(tmp_path / "logs")]
+    err = run_main(capsys, "--preset", "smoke", *missing)
+    assert "python data/cached_fineweb10B.py 1`" in err and "none_*.bin" in err
     assert not (tmp_path / "logs").exists()  # nothing written before the checks pass
+    # the record: 1390 steps of 524,288 tokens = 729M tokens; a 100M-token shard gives 190 whole batches
+    err = run_main(capsys, *missing)
+    assert "python data/cached_fineweb10B.py 9`" in err and "reads 8 train shards" in err
+    err = run_main(capsys, "--num_iterations", "20", *missing)
+    assert "python data/cached_fineweb10B.py 1`" in err
+
+
+# --- the data budget, checked from the shard headers before step 1 ----------------------------------
+
+def smoke_on(tmp_path, markov_shards, *argv, train=None, val=None):
+    """main() on the smoke model with the given shards; returns its exit code and the log folder."""
+    log_dir = tmp_path / "logs"
+    code = train_gpt.main(["--preset", "smoke", "--train_files", train or markov_shards[0],
+                           "--val_files", val or markov_shards[1], "--log_dir", str(log_dir), *argv])
+    return code, log_dir
+
+
+def test_a_train_shard_smaller_than_one_batch_fails_before_step_one(tmp_path, capsys, markov_shards):
+    stream_shards(tmp_path, [5000, 1000])  # smoke batch: 1,024 tokens
+    err = run_main(capsys, "--preset", "smoke", "--train_files", str(tmp_path / "s_train_*.bin"),
+                   "--val_files", markov_shards[1], "--log_dir", str(tmp_path / "logs"))
+    assert "s_train_000002.bin" in err and "1,000 tokens" in err and "1,024" in err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_loader_gives_exactly_the_batches_the_budget_counts(tmp_path):
+    batch, steps = 1024, 3
+    loader = DistributedDataLoader(stream_shards(tmp_path, [steps * batch + 2]), 0, 1, torch.device("cpu"))
+    assert loader.batches_before_wrap(batch) == steps
+    firsts = [loader.next_batch(batch)[0][0].item() for _ in range(steps + 1)]
+    assert firsts == [0, 1024, 2048, 0]  # three batches, then the stream starts over
+    short = DistributedDataLoader(stream_shards(tmp_path / "..", [steps * batch + 1]), 0, 1, torch.device("cpu"))
+    assert short.batches_before_wrap(batch) == steps - 1
+    assert [short.next_batch(batch)[0][0].item() for _ in range(steps)] == [0, 1024, 0]
+
+
+def test_a_run_that_would_repeat_train_tokens_fails_unless_allowed(tmp_path, capsys, markov_shards):
+    run = ["--num_iterations", "2", "--val_loss_every", "0"]
+    exact = tmp_path / "exact"
+    exact.mkdir()
+    code, _ = smoke_on(exact, markov_shards, *run, train=stream_shards(exact, [2 * 1024 + 2]))
+    assert code == 0  # exactly the tokens present
+    short = tmp_path / "short"
+    short.mkdir()
+    pattern = stream_shards(short, [2 * 1024 + 1])  # one token fewer
+    err = run_main(capsys, "--preset", "smoke", "--train_files", pattern, "--val_files", markov_shards[1], *run)
+    assert "2 batches of 1,024" in err and "hold 2,049" in err and "--allow_data_repeat" in err
+    code, log_dir = smoke_on(short, markov_shards, *run, "--allow_data_repeat", "true", train=pattern)
+    assert code == 0 and "2.00 passes over the shards" in next(log_dir.glob("*.txt")).read_text()
+
+
+def test_val_tokens_beyond_the_val_shards_fail_before_step_one(tmp_path, capsys, markov_shards):
+    write_data_shard(tmp_path / "v_val_000000.bin", np.arange(4097))  # smoke: 8 batches of 512 need 4,098
+    err = run_main(capsys, "--preset", "smoke", "--train_files", markov_shards[0],
+                   "--val_files", str(tmp_path / "v_val_*.bin"), "--log_dir", str(tmp_path / "logs"))
+    assert "--val_tokens 4,096" in err and "4,097 tokens" in err and "3,584" in err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_val_loss(tmp_path, capsys, markov_shards):
+    code, log_dir = smoke_on(tmp_path, markov_shards, "--embed_lr", "inf", "--num_iterations", "6",
+                             "--val_loss_every", "2")
+    err = capsys.readouterr().err
+    assert code == 1 and "val loss is nan at step 2" in err and "learning rate" in err
+    log = next(log_dir.glob("*.txt")).read_text().splitlines()  # kept, and it says why it ended
+    assert log[-2].startswith("step:2/6 val_loss:nan") and log[-1].startswith("error: val loss is nan")
 
 
 def test_corrupt_shard_through_main(tmp_path, capsys, markov_shards):

@@ -1,0 +1,78 @@
+"""The optimisers and schedules are record 18's (SPEC 8), and compiling them never recompiles per step."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import train_gpt
+from train_gpt import GPT, Muon, build_optimizers, lr_multiplier, muon_momentum, parse_args
+
+
+def test_optimizer_defaults_are_record_18s():
+    args = parse_args([])
+    model = GPT(512, 6, 2, 64)
+    adam, muon = build_optimizers(model, args)
+    assert isinstance(adam, torch.optim.Adam) and isinstance(muon, Muon)
+    assert adam.defaults["betas"] == (0.8, 0.95) and adam.defaults["eps"] == 1e-8  # PyTorch's default eps
+    embeds, head, scalars = adam.param_groups
+    assert embeds["lr"] == 0.6 and head["lr"] == 0.008 and scalars["lr"] == 0.04
+    tables = [model.embed.weight, *(t.weight for t in model.value_embeds)]
+    assert [id(p) for p in embeds["params"]] == [id(p) for p in tables]
+    assert head["params"] == [model.lm_head.weight]
+    assert {id(p) for p in scalars["params"]} == {id(p) for p in model.parameters() if p.ndim < 2}
+    assert muon.defaults == dict(lr=0.05, momentum=0.95, nesterov=True, ns_steps=5)
+    matrices = {id(p) for p in model.blocks.parameters() if p.ndim == 2}
+    assert {id(p) for g in muon.param_groups for p in g["params"]} == matrices
+    # every parameter in exactly one optimizer
+    owned = [id(p) for opt in (adam, muon) for g in opt.param_groups for p in g["params"]]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters())
+
+
+def test_schedules_are_record_18s():
+    args = parse_args([])
+    assert args.num_iterations == 1390 and args.cooldown_frac == 0.4
+    assert [muon_momentum(s, args) for s in (0, 150, 300, 1000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
+    N = args.num_iterations
+    assert lr_multiplier(0, args) == lr_multiplier(834, args) == 1.0  # 1 - 834/1390 = 0.4: still flat
+    assert lr_multiplier(1112, args) == pytest.approx((1 - 1112 / N) / 0.4)
+    assert lr_multiplier(N, args) == 0
+
+
+def test_adam_eps_is_one_flag_away():
+    adam, _ = build_optimizers(GPT(512, 6, 2, 64), parse_args(["--adam_eps", "1e-10"]))
+    assert adam.defaults["eps"] == 1e-10
+
+
+def test_compiled_newton_schulz_compiles_once_per_shape_and_computes_the_same(monkeypatch):
+    """Muon's compiled iteration: a tall matrix and its wide twin share one graph; later steps reuse them."""
+    counter = CompileCounter()  # counts the graphs dynamo compiles, runs them eagerly
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
+    torch._dynamo.reset()
+    shapes = [(32, 32), (32, 32), (96, 32), (32, 96)]
+
+    def run(compiled):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        muon = Muon(params, lr=0.05, momentum=0.9, compiled=compiled)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            muon.step()
+        return params
+
+    compiled, plain = run(True), run(False)
+    assert counter.frame_count == 2  # (32, 32) and (32, 96): three steps, four matrices, two graphs
+    for a, b in zip(compiled, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_no_inductor_option_is_changed_unless_asked(monkeypatch, markov_shards, tmp_path):
+    """The compile branch of train(), with torch.compile made a no-op so that it costs nothing on a CPU."""
+    from torch._inductor import config as inductor_config
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
+    run = ["--preset", "smoke", "--train_files", markov_shards[0], "--val_files", markov_shards[1],
+           "--num_iterations", "1", "--val_loss_every", "0", "--compile", "true", "--log_dir", str(tmp_path)]
+    assert train_gpt.main(run) == 0 and inductor_config.coordinate_descent_tuning is False
+    assert train_gpt.main(run + ["--compile_tuning", "true"]) == 0 and inductor_config.coordinate_descent_tuning
