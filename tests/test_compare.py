@@ -427,3 +427,14 @@ def test_smoke_run_logs(smoke_logs, capsys):
     for log in smoke_logs:
         assert sum(str(log) in line for line in lines) == 1
     assert SUMMARY.match(lines[-1]) and lines[-1].startswith(f"n={len(smoke_logs)} ")
+
+
+def test_committed_gpu_logs_are_read():
+    """Every log under records/ parses; the first H100 run reads as its README's figures say."""
+    logs = sorted((ROOT / "records").glob("*/*.txt"))
+    assert logs, "records/ holds at least the first H100 run"
+    runs = {log.parent.name: compare.parse_log(log) for log in logs}
+    h100 = runs["h100x1-enwiki-partial"]
+    assert (h100.planned, h100.final_loss, h100.step_avg_ms, h100.peak_mib) == (150, 6.06, 1078.72, 32348)
+    assert h100.val_loss[50] == 4.4725 and h100.devices == "1 x NVIDIA H100 80GB HBM3"
+    assert h100.torch_version == "2.11.0+cu130"
