@@ -8,6 +8,7 @@ training loop, main(). Nothing runs on import; tests import the parts.
 import argparse
 import contextlib
 import glob
+import json
 import math
 import os
 import resource
@@ -71,6 +72,11 @@ class Hyperparameters:
     compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
     compile_tuning: bool = False  # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compile
     seed: int = 0
+    # speed options: off until a GPU has measured them (issue 9)
+    fused_head_loss: bool = False  # head + softcap + cross-entropy chunk by chunk, gradients in the forward pass
+    fused_qkv: bool = False  # q, k, v as one product of the stacked weights (still three matrices for Muon)
+    flex_kernel_options: str = ""  # JSON object for flex_attention's kernel_options, e.g. '{"bwd_num_warps": 8}'; ignored on CPU
+    profile: int = 0  # profile this many train steps after warm-up: trace and top-kernel table in log_dir
 
 
 # A small model and a short run that finish in minutes on a 2-core CPU; still exercises every part
@@ -184,6 +190,54 @@ class Muon(torch.optim.Optimizer):
 
 
 # -----------------------------------------------------------------------------
+# Kernels: faster forms of model pieces, each equal up to rounding to the plain expression it replaces
+# (tests/test_kernels.py). Before the model, which calls them; used only when an option asks.
+
+HEAD_CHUNK_ROWS = 8192  # logits alive at once: 8192 x 50304 in bf16 (0.8 GB), not 64K rows in bf16 and fp32 (20 GB)
+
+
+def softcapped_cross_entropy_chunks(x, weight, targets, with_grads):
+    """Mean cross-entropy of the logits 15 tanh(x W^T / 15), a chunk of rows at a time; with_grads, also
+    the gradients of that mean with respect to x and W (fp32), so whole logits never exist."""
+    w, rows = weight.type_as(x), x.size(0)
+    loss = torch.zeros((), device=x.device)
+    grad_x, grad_w = [], torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
+    for start in range(0, rows, HEAD_CHUNK_ROWS):
+        xc, tc = x[start:start + HEAD_CHUNK_ROWS], targets[start:start + HEAD_CHUNK_ROWS, None]
+        z = F.linear(xc, w)  # logits in x's dtype, as lm_head computes them; softcap and softmax in fp32
+        capped = 15 * torch.tanh(z.float() / 15)
+        logp = torch.log_softmax(capped, dim=1)  # compiled: one online-softmax pass, logp itself never stored
+        loss -= logp.gather(1, tc).sum()
+        if with_grads:  # d mean loss / d z = softcap'(z) (softmax - onehot) / rows, in x's dtype as unfused
+            onehot = torch.arange(z.size(1), device=z.device) == tc
+            g = ((logp.exp() - onehot.float()) * (1 - (capped / 15) ** 2) / rows).type_as(x)
+            grad_x.append(g @ w)
+            grad_w += (g.T @ xc).float()
+    return loss / rows, torch.cat(grad_x) if with_grads else None, grad_w
+
+
+class FusedHeadLoss(torch.autograd.Function):
+    """Fused linear cross-entropy: the head's loss with its gradients computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets):
+        loss, grad_x, grad_w = softcapped_cross_entropy_chunks(x, weight, targets, with_grads=True)
+        ctx.save_for_backward(grad_x, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, grad_w * grad_loss, None
+
+
+def fused_head_loss(x, weight, targets):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return FusedHeadLoss.apply(x, weight, targets)
+    return softcapped_cross_entropy_chunks(x, weight, targets, with_grads=False)[0]  # eval: no gradients
+
+
+# -----------------------------------------------------------------------------
 # The model: a U-net GPT with value embeddings
 
 
@@ -224,9 +278,9 @@ class Rotary(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim, num_heads):
+    def __init__(self, dim, num_heads, fused_qkv=False, kernel_options=None):
         super().__init__()
-        self.num_heads = num_heads
+        self.num_heads, self.fused_qkv, self.kernel_options = num_heads, fused_qkv, kernel_options
         self.head_dim = dim // num_heads
         self.q = CastedLinear(dim, dim)
         self.k = CastedLinear(dim, dim)
@@ -237,7 +291,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, value_embed, mask):
         B, T, dim = x.shape
-        q, k, v = (lin(x).view(B, T, self.num_heads, self.head_dim) for lin in (self.q, self.k, self.v))
+        if self.fused_qkv:  # one product; q, k, v stay three Parameters, so Muon treats each on its own
+            qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]).type_as(x))
+            q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=2)
+        else:
+            q, k, v = (lin(x).view(B, T, self.num_heads, self.head_dim) for lin in (self.q, self.k, self.v))
         q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm (Dehghani et al., 2023)
         if value_embed is not None:
             v = self.lambdas[0] * v + self.lambdas[1] * value_embed.view_as(v)
@@ -245,7 +303,7 @@ class CausalSelfAttention(nn.Module):
             v = self.lambdas[0] * v
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if isinstance(mask, BlockMask):
-            y = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5)
+            y = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5, kernel_options=self.kernel_options)
         else:  # CPU: the same mask as a dense boolean matrix
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
         return self.proj(y.transpose(1, 2).reshape(B, T, dim))
@@ -262,9 +320,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, num_heads, has_attention):
+    def __init__(self, dim, num_heads, has_attention, **attn_options):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads) if has_attention else None
+        self.attn = CausalSelfAttention(dim, num_heads, **attn_options) if has_attention else None
         self.mlp = MLP(dim)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
 
@@ -276,18 +334,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size, num_layers, num_heads, model_dim, attention_free_layer=7, bf16_embeds=True):
+    def __init__(self, vocab_size, num_layers, num_heads, model_dim, attention_free_layer=7, bf16_embeds=True,
+                 fused_head_loss=False, fused_qkv=False, flex_kernel_options=None):
         super().__init__()
         if num_layers < 6 or num_layers % 2:
             raise UserError(f"num_layers must be even and at least 6 (U-net halves, 3+3 value-embedded layers); got {num_layers}")
         if model_dim % num_heads or (model_dim // num_heads) % 4:
             raise UserError(f"model_dim {model_dim} must split into {num_heads} heads of a size divisible by 4 (rotary)")
-        self.num_layers = num_layers
+        self.num_layers, self.fused_head_loss = num_layers, fused_head_loss
         self.embed = nn.Embedding(vocab_size, model_dim)
         # three value-embedding tables, used by the first three and the last three layers
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))
-        self.blocks = nn.ModuleList(Block(model_dim, num_heads, has_attention=i != attention_free_layer)
-                                    for i in range(num_layers))
+        self.blocks = nn.ModuleList(Block(model_dim, num_heads, i != attention_free_layer, fused_qkv=fused_qkv,
+                                          kernel_options=flex_kernel_options) for i in range(num_layers))
         self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))  # U-net: encoder i feeds decoder
         self.lm_head = CastedLinear(model_dim, vocab_size, zero_init=True)  # untied; step-0 loss = ln(vocab)
         if bf16_embeds:
@@ -315,6 +374,8 @@ class GPT(nn.Module):
             x = block(x, None if ve is None else value_embeds[ve], x0, mask)
             if i < half:
                 skips.append(x)
+        if self.fused_head_loss:  # same maths, without materialising the logits
+            return fused_head_loss(norm(x)[0], self.lm_head.weight, targets)
         logits = self.lm_head(norm(x))
         logits = 15 * torch.tanh(logits / 15)  # logit softcap (as in Gemma 2)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets)
@@ -485,6 +546,17 @@ def step_avg(train_time_ms, steps_done):
     return train_time_ms / (steps_done - 10) if steps_done > 10 else float("nan")
 
 
+def parse_kernel_options(text):
+    """--flex_kernel_options: '' (torch's defaults) or a JSON object of FlexAttention kernel options."""
+    try:
+        options = json.loads(text) if text else None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--flex_kernel_options is not valid JSON ({e}); give an object like '{{\"num_warps\": 8}}'")
+    if options is not None and not isinstance(options, dict):
+        raise UserError(f"--flex_kernel_options must be a JSON object like '{{\"num_warps\": 8}}', got {text!r}")
+    return options
+
+
 def micro_batch_plan(args, world_size):
     """Per-rank micro-batch size and count for the fixed global batch; clear errors where it cannot work."""
     if args.batch_size % world_size:
@@ -551,6 +623,7 @@ def train(args):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     master = rank == 0
     micro, accum_steps, val_batch = micro_batch_plan(args, world_size)
+    kernel_options = parse_kernel_options(args.flex_kernel_options)
 
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -612,7 +685,8 @@ def train(args):
 
     torch.manual_seed(args.seed)
     raw_model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
-                    args.attention_free_layer, args.bf16_embeds).to(device)
+                    args.attention_free_layer, args.bf16_embeds, args.fused_head_loss, args.fused_qkv,
+                    kernel_options).to(device)
     optimizers = build_optimizers(raw_model, args, compiled=compile_model)
     model = raw_model
     if compile_model:
@@ -634,11 +708,20 @@ def train(args):
     N = args.num_iterations
     train_time_ms = 0.0
     t0 = time.perf_counter()
+    start = max(0, min(12, N - args.profile))  # after warm-up, earlier in short runs
+    profiled, profiler = range(start, min(N, start + args.profile)), None
     for step in range(N + 1):
         last_step = step == N
         if step == 10:  # the first steps compile and warm up; the clock restarts here
             train_time_ms = 0.0
             t0 = time.perf_counter()
+        if master and args.profile > 0 and step == profiled.start:
+            activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * use_cuda
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.start()
+        if profiler and step == profiled.stop:
+            synchronize()
+            profiler.stop()
         window_blocks.fill_(window_blocks_at(step, args))
 
         if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
@@ -680,6 +763,14 @@ def train(args):
         approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: the step stays asynchronous
         log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{step_avg(approx_ms, step + 1):.2f}ms")
 
+    if profiler:  # "profile: " lines sit between the step lines and the last line, which stays the peak memory
+        trace_path = os.path.join(args.log_dir, f"{run_id}.trace.json")
+        profiler.export_chrome_trace(trace_path)
+        log(f"profile: {len(profiled)} step(s) from step {profiled.start + 1} ran under the profiler, so the times above "
+            f"are not representative; trace for Perfetto or chrome://tracing: {trace_path}")
+        table = profiler.key_averages().table(sort_by=f"self_{'device' if use_cuda else 'cpu'}_time_total", row_limit=25)
+        for line in table.splitlines():
+            log(f"profile: {line}", console=False)
     if use_cuda:
         peak_mib = torch.cuda.max_memory_allocated() // 2 ** 20
     else:  # CPU: peak resident memory of the process (ru_maxrss is in KiB on Linux)

@@ -15,6 +15,7 @@ def step_lines(log_path):
     rest = text[len(SOURCE):].splitlines()
     assert rest[1] == "=" * 100
     body = rest[rest.index("=" * 100, rest.index("hyperparameters:")) + 1:]
+    body = [line for line in body if not line.startswith("profile: ")]  # --profile's report, before the last line
     assert re.fullmatch(r"peak memory consumption: \d+ MiB", body[-1])
     return body[:-1], rest
 
