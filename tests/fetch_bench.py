@@ -4,7 +4,7 @@
     python tests/fetch_bench.py --train 4 --workers 4
 
 Files go to --workdir (default: a folder under the system temp dir), never into the repository.
-The number measures the client side (huggingface_hub + the script's check and rename) over
+The number measures the client side (huggingface_hub + the script's sha256 check and rename) over
 loopback; a real download is bounded by the network instead.
 """
 

@@ -12,11 +12,18 @@ What huggingface_hub's hf_hub_download does for a dataset file (checked against 
 Sending X-Xet-Hash (or a Link rel="xet-auth") would switch the client to the Xet protocol,
 so this server never sends either: downloads stay plain HTTP.
 
+The one API call the fetch script makes besides (checked against 2.4.0):
+HfApi.dataset_info(repo, files_metadata=True): GET {endpoint}/api/datasets/{repo}?blobs=True, answered
+with JSON {"id", "sha", "siblings": [{"rfilename", "size", "blobId", "lfs": {"sha256", "size",
+"pointerSize"}}]}: the commit, and the size and published sha256 of every LFS file.
+
 Two listeners share one state: the hub (serves /resolve/) and a "CDN" on another port, so a
 302 from one to the other crosses origins the way huggingface.co -> CDN does.
 
 Per-file behaviours (mode): "ok", "missing" (404 EntryNotFound), "corrupt" (magic number
 flipped; HEAD size and ETag describe the corrupt bytes, as for a bad file on the hub),
+"tampered" (a few token bytes changed, header and size intact; the sha256 the hub publishes, in
+the API and the ETag, is still that of the true bytes, as when a mirror or CDN serves bad bytes),
 "drop" (send `cut` bytes of the body, then close the connection; later GETs get `then`:
 "fail" = HTTP 503, "serve" = served normally, Range included), "stall" (send `cut` bytes,
 then hang until release()).
@@ -114,6 +121,7 @@ class Request:
 class FakeHub:
     repo: str = "kjj0/fineweb10B-gpt2"
     redirect: bool = True  # answer /resolve/ with a 302 to the CDN listener, as the hub does for big files
+    refuse: int | None = None  # answer every hub request with this status (401, 403), as without a token
     files: dict[str, Entry] = field(default_factory=dict)
     log: list[Request] = field(default_factory=list)
 
@@ -148,9 +156,12 @@ class FakeHub:
             if mode == "corrupt":  # flip the magic number
                 content = (MAGIC + 1).to_bytes(4, "little") + content[4:]
             entry = Entry(None, bytes(content), mode, cut, then)
+        published = entry.sha256()
+        if mode == "tampered":  # change two token bytes after the hash was published
+            entry.data = content[:1030] + bytes(b ^ 0xFF for b in content[1030:1032]) + content[1032:]
         with self._lock:
             self.files[name] = entry
-            self._etags[name] = entry.sha256()
+            self._etags[name] = published
 
     def served(self, name: str) -> bytes:
         """The exact bytes a client gets for `name` (after any corruption)."""
@@ -191,6 +202,7 @@ class _Server(ThreadingHTTPServer):
 RESOLVE = re.compile(
     r"^/datasets/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<name>[^?]+)$"
 )
+API = re.compile(r"^/api/datasets/(?P<repo>[^/]+/[^/]+)$")
 CDN = re.compile(r"^/cdn/(?P<name>[^/?]+)$")
 
 
@@ -222,6 +234,10 @@ class _Handler(BaseHTTPRequestHandler):
         )
         with fake._lock:
             fake.log.append(req)
+        if role == "hub" and fake.refuse:
+            return self._error(req, fake.refuse, None, "Unauthorized")
+        if role == "hub" and (api := API.match(path)):
+            return self._dataset_info(req, api)
         entry = fake.files.get(name) if m else None
         if m is None or (role == "hub" and m["repo"] != fake.repo):
             return self._error(req, 404, "RepoNotFound", "Repository not found")
@@ -232,6 +248,26 @@ class _Handler(BaseHTTPRequestHandler):
         if role == "hub" and fake.redirect:
             return self._redirect(req, name, entry)
         self._send_file(req, name, entry, body)
+
+    def _dataset_info(self, req: Request, m: re.Match):
+        fake = self.server.fake
+        with fake._lock:
+            files = {n: e for n, e in fake.files.items() if e.mode != "missing"}
+        if m["repo"] != fake.repo:
+            return self._error(req, 404, "RepoNotFound", "Repository not found")
+        siblings = [
+            {"rfilename": n, "size": e.size, "blobId": "0" * 40,
+             "lfs": {"sha256": fake._etags[n], "size": e.size, "pointerSize": 134}}
+            for n, e in files.items()
+        ]
+        body = json.dumps({"id": fake.repo, "sha": COMMIT, "siblings": siblings}).encode()
+        req.status = 200
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def _common_headers(self, name: str, entry: Entry):
         self.send_header("X-Repo-Commit", COMMIT)

@@ -1,12 +1,13 @@
 """data/cached_fineweb10B.py, run as users run it (a subprocess) with the real huggingface_hub
-client, against a stand-in of the hub's download protocol on 127.0.0.1 (tests/fetch_hub.py).
+client, against a stand-in of the hub's download protocol and of the one API call the script makes
+(dataset_info, for the published sha256 of each shard) on 127.0.0.1 (tests/fetch_hub.py).
 Offline: HF_ENDPOINT points at the stand-in, HF_HOME/HF_HUB_CACHE into tmp_path."""
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib
-import importlib.util
 import os
 import shutil
 import signal
@@ -82,9 +83,8 @@ def fetch(
     )
 
 
-def header_ok(path: Path) -> bool:
+def header_ok(raw: bytes) -> bool:
     """SPEC section 3, checked independently of both the fetch script and the trainer."""
-    raw = path.read_bytes()
     if len(raw) < 1024:
         return False
     magic, version, n = np.frombuffer(raw[:12], dtype="<i4")
@@ -92,7 +92,7 @@ def header_ok(path: Path) -> bool:
 
 
 def reader_accepts(path: Path) -> bool:
-    ok = header_ok(path)
+    ok = header_ok(path.read_bytes())
     if train_gpt is not None:
         try:
             tokens = train_gpt.load_data_shard(str(path))
@@ -254,11 +254,61 @@ def test_bad_shard_on_the_hub_is_rejected(hub, tmp_path, corruption):
         hub.add(train(2), hub.served(train(2))[:2048])
         why = "header promises 3002 tokens"
     result = fetch(hub, tmp_path, "2")
-    assert_clean_failure(result, train(2), "not a valid shard", why, "not kept")
+    assert_clean_failure(result, train(2), "not a valid shard", why, "deleted")
     # It really was downloaded, and then refused.
     assert [r.filename for r in hub.file_gets()].count(train(2)) == 1
     assert_only_good_shards(tmp_path / "data", hub, [VAL, train(1)])
     assert f"missing: {train(2)}" in result.stdout
+
+
+def test_shard_with_changed_bytes_is_rejected_by_its_hash(hub, tmp_path):
+    # Right size, right header, two token bytes changed; the hub publishes the true bytes' sha256.
+    true_bytes = hub.served(train(2))
+    hub.add(train(2), true_bytes, mode="tampered")
+    served = hub.served(train(2))
+    assert len(served) == len(true_bytes) and served[:1024] == true_bytes[:1024] and served != true_bytes
+    assert header_ok(served)  # so only a hash check can catch it
+    result = fetch(hub, tmp_path, "2")
+    got, published = (hashlib.sha256(b).hexdigest()[:16] for b in (served, true_bytes))
+    assert_clean_failure(result, train(2), f"sha256 {got}... is not the hub's {published}...", "deleted")
+    assert result.stderr.count("error:") == 1
+    assert [r.filename for r in hub.file_gets()].count(train(2)) == 1
+    assert_only_good_shards(tmp_path / "data", hub, [VAL, train(1)])
+    assert f"missing: {train(2)}" in result.stdout
+
+
+def test_present_shards_are_rehashed_only_with_verify(hub, tmp_path):
+    dest = tmp_path / "data"
+    dest.mkdir()
+    good = hub.served(train(1))
+    changed = good[:2000] + bytes([good[2000] ^ 1]) + good[2001:]
+    (dest / VAL).write_bytes(hub.served(VAL))
+    (dest / train(1)).write_bytes(changed)
+    # By default a present shard is judged by header and size: kept, no network.
+    plain = fetch(hub, tmp_path, "1")
+    assert plain.returncode == 0, plain.stderr
+    assert hub.requests() == [] and (dest / train(1)).read_bytes() == changed
+    # --verify compares it with the hub's sha256, deletes it and fetches the true bytes.
+    verified = fetch(hub, tmp_path, "1", "--verify")
+    assert verified.returncode == 0, verified.stderr
+    claimed, published = (hashlib.sha256(b).hexdigest()[:16] for b in (changed, good))
+    assert f"{train(1)}: sha256 {claimed}... is not the hub's {published}..." in verified.stderr
+    assert [r.filename for r in hub.file_gets()] == [train(1)]
+    assert_only_good_shards(dest, hub, [VAL, train(1)])
+
+
+@pytest.mark.parametrize("refusal", [401, 403, "no-such-dataset"])
+def test_hub_refusals_are_one_line(hub, tmp_path, refusal):
+    args = ["1"]
+    if refusal == "no-such-dataset":  # the stand-in holds fineweb10B only
+        args += ["--dataset", "finewebedu10B"]
+        expected = ["the dataset kjj0/finewebedu10B-gpt2 was not found", hub.endpoint]
+    else:
+        hub.refuse = refusal
+        expected = [f"HTTP {refusal}", "HF_TOKEN", hub.endpoint]
+    result = fetch(hub, tmp_path, *args)
+    assert_clean_failure(result, *expected)
+    assert result.stderr.count("error:") == 1 and hub.file_gets() == []
 
 
 def test_unreachable_hub_is_reported_and_good_shards_are_kept(hub, tmp_path):
@@ -268,7 +318,8 @@ def test_unreachable_hub_is_reported_and_good_shards_are_kept(hub, tmp_path):
     result = fetch(hub, tmp_path, "2")
     # Fails fast instead of retrying for ~20 s per file.
     assert time.monotonic() - start < 10
-    assert_clean_failure(result, "cannot reach", hub.endpoint, "are kept")
+    assert_clean_failure(result, "cannot reach", hub.endpoint, "are kept", "HF_ENDPOINT")
+    assert result.stderr.count("error:") == 1
     assert_only_good_shards(tmp_path / "data", hub, [VAL, train(1)])
 
 
@@ -336,21 +387,18 @@ def test_disk_full_is_reported(hub, tmp_path):
     assert_only_good_shards(tmp_path / "data", hub, [VAL])
 
 
-def test_not_enough_space_is_reported_before_downloading(
-    hub, tmp_path, monkeypatch, capsys
-):
-    spec = importlib.util.spec_from_file_location("cached_fineweb10B", SCRIPT)
-    fetcher = importlib.util.module_from_spec(spec)
-    # dataclasses look the module up in sys.modules.
-    monkeypatch.setitem(sys.modules, "cached_fineweb10B", fetcher)
-    spec.loader.exec_module(fetcher)
-    # Each shard an exabyte.
-    monkeypatch.setattr(fetcher, "probe", lambda ds, name: 10**18)
-    monkeypatch.setattr(
-        fetcher, "download_all", lambda *a: pytest.fail("must not start downloading")
+def test_not_enough_space_is_reported_before_downloading(hub, tmp_path):
+    # The script sees 5000 bytes free; the hub's listing says the three shards need more.
+    need = sum(len(hub.served(n)) for n in (VAL, train(1), train(2)))
+    code = (
+        "import collections, runpy, shutil, sys; "
+        "shutil.disk_usage = lambda p: collections.namedtuple('u', 'total used free')(10**12, 10**12, 5000); "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     )
-    assert fetcher.main(["2", "--dir", str(tmp_path / "data")]) == 1
-    assert "not enough disk space" in capsys.readouterr().err
+    result = fetch(hub, tmp_path, "2", wrapper=["-c", code])
+    assert_clean_failure(result, "not enough disk space", f"need {need:,} bytes", "5,000 bytes is free")
+    assert hub.file_gets() == []
+    assert os.listdir(tmp_path / "data") == []
 
 
 @pytest.mark.parametrize(
@@ -388,6 +436,8 @@ def test_interrupted_download_leaves_no_shard(hub, tmp_path, sig):
         assert "interrupted" in err and "Traceback" not in err
         assert not (dest / ".incoming").exists()
     assert not (dest / train(1)).exists()
+    # With one worker the val shard came first: finished before the stall, it is kept.
+    assert (dest / VAL).read_bytes() == hub.served(VAL)
     for path in glob.glob(str(dest / "fineweb_*.bin")):
         assert reader_accepts(Path(path))
 
