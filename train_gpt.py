@@ -1,7 +1,7 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model on FineWeb-10B to 3.28 val loss, one file.
 
 Run:   torchrun --standalone --nproc_per_node=8 train_gpt.py      (or ./run.sh)
-Smoke: python train_gpt.py --preset smoke --train_files 'PATTERN' --val_files 'PATTERN'   (CPU, minutes)
+Smoke: python train_gpt.py --preset smoke   (CPU, under a minute, built-in synthetic data; or name shards)
 Reads top to bottom in the order data flows: configuration, Muon, model, attention masks, data,
 training loop, main(). Nothing runs on import; tests import the parts.
 """
@@ -78,6 +78,7 @@ PRESETS = {
         batch_size=1024, max_device_batch_size=512,  # 1, 2, 4 or 8 processes all fit
         num_iterations=40, val_loss_every=10, val_tokens=4096,
         window_end=512 + 64,  # 1 to 4 blocks: the whole 512-token sequence at the end
+        train_files="synthetic", val_files="synthetic",  # no download: see markov_stream
     ),
 }
 
@@ -395,6 +396,34 @@ def write_data_shard(path, tokens):
         f.write(tokens.astype("<u2").tobytes())
 
 
+def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
+    """Documents of 40 to 399 tokens, each led by EOT, walking a random Markov chain over `vocab` tokens with
+    `successors` equally likely next tokens: learnable to ln(successors) nats, far below ln(vocab)."""
+    table = np.random.default_rng(chain_seed).integers(0, vocab, size=(vocab, successors)).tolist()
+    rng, tokens = np.random.default_rng(seed), []
+    while len(tokens) < num_tokens:
+        state, choices = int(rng.integers(vocab)), rng.integers(successors, size=int(rng.integers(39, 399))).tolist()
+        tokens.append(EOT)
+        for choice in choices:
+            tokens.append(state)
+            state = table[state][choice]
+    return np.array(tokens[:num_tokens])
+
+
+def data_files(args, split, num_tokens):
+    """The shard pattern of a split. For "synthetic", first write the seeded Markov stream as one shard into
+    the log folder; ranks write identical bytes, each renaming its own temp file, so races are harmless."""
+    pattern = getattr(args, f"{split}_files")
+    if pattern != "synthetic":
+        return pattern
+    path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / f"synthetic_{split}_{int(split == 'train'):06d}.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    write_data_shard(tmp, markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed))
+    os.replace(tmp, path)
+    return glob.escape(str(path))
+
+
 class DistributedDataLoader:
     """All ranks walk one global token stream; of each global batch, rank r takes the r-th share."""
 
@@ -535,8 +564,9 @@ def train(args):
     else:
         device = torch.device("cpu")
     compile_model = args.compile == "true" or (args.compile == "auto" and use_cuda)
-    train_loader = DistributedDataLoader(args.train_files, rank, world_size, device)
-    val_loader = DistributedDataLoader(args.val_files, rank, world_size, device)
+    train_loader = DistributedDataLoader(data_files(args, "train", (args.num_iterations + 1) * args.batch_size + 2),
+                                         rank, world_size, device)  # synthetic: the whole run and a spare batch
+    val_loader = DistributedDataLoader(data_files(args, "val", args.val_tokens + 2), rank, world_size, device)
     if world_size > 1:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
 
@@ -564,6 +594,9 @@ def train(args):
         log(f"  {name} = {value}", console=False)
     log(f"train shards ({len(train_loader.files)}): {' '.join(train_loader.files)}", console=False)
     log(f"val shards ({len(val_loader.files)}): {' '.join(val_loader.files)}", console=False)
+    synthetic = "synthetic" in (args.train_files, args.val_files)
+    log(f"data: {f'synthetic Markov-chain documents (seed {args.seed}), no download needed; ' * synthetic}"
+        f"train {args.train_files}, val {args.val_files}")
     log("=" * 100, console=False)
 
     torch.manual_seed(args.seed)

@@ -95,6 +95,30 @@ def test_missing_data_points_at_the_fetch_script(tmp_path, capsys):
     assert not (tmp_path / "logs").exists()  # nothing written before the checks pass
 
 
+def test_full_preset_never_falls_back_to_synthetic_data(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/fineweb10B here
+    err = run_main(capsys, "--log_dir", str(tmp_path / "logs"))
+    assert "fineweb_train_*.bin" in err and "cached_fineweb10B.py" in err
+    assert not (tmp_path / "logs").exists()  # no synthetic shard written either
+
+
+def test_synthetic_stream_is_seeded_documents_of_a_four_successor_chain():
+    eot = 50256
+    tokens = train_gpt.markov_stream(20_000, seed=[0, 1], chain_seed=0)
+    assert len(tokens) == 20_000 and tokens[0] == eot
+    assert np.array_equal(tokens, train_gpt.markov_stream(20_000, seed=[0, 1], chain_seed=0))
+    assert not np.array_equal(tokens, train_gpt.markov_stream(20_000, seed=[0, 0], chain_seed=0))
+    starts = np.flatnonzero(tokens == eot)
+    lengths = np.diff(starts)
+    assert lengths.min() >= 40 and lengths.max() <= 399
+    successors = {}
+    for a, b in zip(tokens[:-1], tokens[1:]):
+        if a != eot and b != eot:
+            successors.setdefault(int(a), set()).add(int(b))
+    assert max(len(s) for s in successors.values()) <= 4 and max(successors) < 256
+    assert np.mean([len(s) for s in successors.values()]) > 3  # and not fewer: the chain is that random
+
+
 def test_corrupt_shard_through_main(tmp_path, capsys, markov_shards):
     path = tmp_path / "c_train_000001.bin"
     write_data_shard(path, np.arange(5000))

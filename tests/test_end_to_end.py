@@ -1,6 +1,8 @@
 """Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and learning."""
 import re
 
+import numpy as np
+
 from conftest import LN_VOCAB, REPO, unigram_entropy
 
 SOURCE = (REPO / "train_gpt.py").read_text()
@@ -53,9 +55,15 @@ def test_two_processes_give_the_same_validation_losses_as_one(smoke_runs):
     assert one[8] < one[0] - 1  # and it is not trivially equal because nothing moved
 
 
-def test_smoke_run_learns_the_markov_chain(smoke_runs, markov_shards):
-    losses = val_losses(smoke_runs.full())
-    entropy = unigram_entropy(markov_shards[2])
+def test_smoke_run_with_no_data_named_learns_its_synthetic_markov_chain(smoke_runs):
+    log = smoke_runs.full()
+    _, rest = step_lines(log)
+    assert any(line.startswith("data: synthetic Markov-chain documents (seed 0), no download needed") for line in rest)
+    losses = val_losses(log)
+    # the val tokens it wrote, read here as plain numbers past the 1024-byte header
+    val = np.fromfile(log.parent / "synthetic-seed0" / "synthetic_val_000000.bin", dtype="<u2", offset=1024)
+    assert len(val) >= 4096 and val[0] == 50256 and val.max() == 50256 and val[val != 50256].max() < 256
+    entropy = unigram_entropy(val.astype(np.int64))
     final = losses[max(losses)]
     assert losses[0] == round(LN_VOCAB, 4)
     # the chain allows about ln 4 = 1.39 nats; the unigram entropy is about 5.4
