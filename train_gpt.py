@@ -5,16 +5,20 @@ Smoke: python train_gpt.py --preset smoke   (CPU, under a minute, built-in synth
 Reads top to bottom in the order data flows: configuration, Muon, model, attention masks, data,
 training loop, main(). Nothing runs on import; tests import the parts.
 """
+import time
+LAUNCH_TIME = time.time()  # before the heavy imports: start-up is counted from launch
 import argparse
 import contextlib
 import glob
+import hashlib
+import importlib.metadata
+import importlib.util
 import math
 import os
 import resource
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -67,6 +71,7 @@ class Hyperparameters:
     log_dir: str = "logs"
     save_checkpoint: bool = False
     compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
+    compile_cache: str = ""  # a file: load compiled code from it before compiling, save it after step 1
     seed: int = 0
 
 
@@ -546,6 +551,33 @@ def environment_report(world_size, device):
     return lines
 
 
+def load_compile_cache(path, stamp):
+    """Fill the local compile caches from a saved file; returns what happened, for the log."""
+    if not os.path.exists(path):
+        return "not found; rank 0 writes it after step 1"
+    try:
+        header, _, artifacts = Path(path).read_bytes().partition(b"\n")
+        made_by, _, digest = header.decode(errors="replace").rpartition(" sha256=")
+        if made_by != stamp:
+            return f"rejected: made by {made_by[:150]!r}, this run is {stamp!r}; rank 0 replaces it after step 1"
+        if hashlib.sha256(artifacts).hexdigest() != digest or torch.compiler.load_cache_artifacts(artifacts) is None:
+            return "rejected: corrupt or unreadable; rank 0 replaces it after step 1"
+    except Exception as e:  # a bad cache costs a compile, never the run
+        return f"rejected: {type(e).__name__}: {e}"
+    return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
+
+
+def save_compile_cache(path, stamp):
+    """Save what this process compiled: a temp file in the same folder renamed into place, never half a cache."""
+    tmp, artifacts = f"{path}.{os.getpid()}.tmp", (torch.compiler.save_cache_artifacts() or [b""])[0]
+    try:
+        Path(tmp).write_bytes(f"{stamp} sha256={hashlib.sha256(artifacts).hexdigest()}\n".encode() + artifacts)
+        os.replace(tmp, path)
+    except OSError as e:
+        return f"not saved: {e}"
+    return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
+
+
 def train(args):
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -567,6 +599,13 @@ def train(args):
     train_loader = DistributedDataLoader(data_files(args, "train", (args.num_iterations + 1) * args.batch_size + 2),
                                          rank, world_size, device)  # synthetic: the whole run and a spare batch
     val_loader = DistributedDataLoader(data_files(args, "val", args.val_tokens + 2), rank, world_size, device)
+    # compiled code is only valid for the same PyTorch, Triton and device model
+    triton = importlib.util.find_spec("triton") and importlib.metadata.version("triton")
+    stamp = (f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, "
+             f"{torch.cuda.get_device_name(device) if use_cuda else 'cpu'}")
+    cache_note = "ignored: compile is off"
+    if args.compile_cache and compile_model:  # every rank loads, before anything compiles
+        cache_note = load_compile_cache(args.compile_cache, stamp)
     if world_size > 1:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
 
@@ -597,6 +636,8 @@ def train(args):
     synthetic = "synthetic" in (args.train_files, args.val_files)
     log(f"data: {f'synthetic Markov-chain documents (seed {args.seed}), no download needed; ' * synthetic}"
         f"train {args.train_files}, val {args.val_files}")
+    if args.compile_cache:
+        log(f"compile cache {args.compile_cache}: {cache_note}")
     log("=" * 100, console=False)
 
     torch.manual_seed(args.seed)
@@ -660,6 +701,18 @@ def train(args):
         raw_model.zero_grad(set_to_none=True)
         approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: the step stays asynchronous
         log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{step_avg(approx_ms, step + 1):.2f}ms")
+        if step == 0:  # everything has compiled now: eval at step 0, model and optimisers in step 1
+            synchronize()
+            startup = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step 1"
+            if compile_model:
+                spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)().get("total_wall_time", math.nan)
+                fx, aot = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
+                startup += (f", {spent:.1f}s of it compiling (cache hits/misses: FX graphs {fx['fxgraph_cache_hit']}/"
+                            f"{fx['fxgraph_cache_miss']}, AOT autograd {aot['autograd_cache_hit']}/"
+                            f"{aot['autograd_cache_miss']})")
+                if master and args.compile_cache:
+                    startup += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
+            log(startup)
 
     if use_cuda:
         peak_mib = torch.cuda.max_memory_allocated() // 2 ** 20

@@ -8,6 +8,7 @@ from conftest import LN_VOCAB, REPO, unigram_entropy
 SOURCE = (REPO / "train_gpt.py").read_text()
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
 TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
+STARTUP_LINE = re.compile(r"^startup: (\d+\.\d)s from launch to the end of step 1")  # the one line besides steps
 
 
 def step_lines(log_path):
@@ -27,7 +28,7 @@ def val_losses(log_path):
     for line in lines:
         if m := VAL_LINE.match(line):
             losses[int(m[1])] = float(m[3])
-        else:
+        elif not STARTUP_LINE.match(line):
             assert TRAIN_LINE.match(line), f"line does not parse: {line!r}"
     return losses
 
@@ -40,6 +41,10 @@ def test_log_has_source_header_and_parsable_step_lines(smoke_runs):
     assert "  num_iterations = 8" in rest and any(r.startswith("train shards (2): ") for r in rest)
     steps = [int(TRAIN_LINE.match(x)[1]) for x in lines if TRAIN_LINE.match(x)]
     assert steps == list(range(1, 9))
+    # launch-to-first-step, once, right after step 1; it cannot exceed the whole run
+    startup = [i for i, line in enumerate(lines) if STARTUP_LINE.match(line)]
+    assert len(startup) == 1 and lines[startup[0] - 1].startswith("step:1/8 train_time:")
+    assert 0 < float(STARTUP_LINE.match(lines[startup[0]])[1]) < 600
     assert sorted(val_losses(log)) == [0, 4, 8]
     # timing restarts at step 10: no timed steps yet, so step_avg is nan throughout this short run
     assert all(line.endswith("step_avg:nanms") for line in lines)
