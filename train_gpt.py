@@ -1,13 +1,18 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model on FineWeb-10B to 3.28 val loss, one file.
 
 Run:   torchrun --standalone --nproc_per_node=8 train_gpt.py      (or ./run.sh)
-Smoke: python train_gpt.py --preset smoke --train_files 'PATTERN' --val_files 'PATTERN'   (CPU, minutes)
+Smoke: python train_gpt.py --preset smoke   (CPU, under a minute, built-in synthetic data; or name shards)
 Reads top to bottom in the order data flows: configuration, Muon, model, attention masks, data,
 training loop, main(). Nothing runs on import; tests import the parts.
 """
+import time
+LAUNCH_TIME = time.time()  # before the heavy imports: start-up is counted from launch
 import argparse
 import contextlib
 import glob
+import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -15,7 +20,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -71,6 +75,7 @@ class Hyperparameters:
     save_checkpoint: bool = False
     compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
     compile_tuning: bool = False  # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compile
+    compile_cache: str = ""  # a file: load compiled code from it before compiling, save it after step 1
     seed: int = 0
     # speed options: off until a GPU has measured them (issue 9)
     fused_head_loss: bool = False  # head + softcap + cross-entropy chunk by chunk, gradients in the forward pass
@@ -87,6 +92,7 @@ PRESETS = {
         batch_size=1024, max_device_batch_size=512,  # 1, 2, 4 or 8 processes all fit
         num_iterations=40, val_loss_every=10, val_tokens=4096,
         window_end=512 + 64,  # 1 to 4 blocks: the whole 512-token sequence at the end
+        train_files="synthetic", val_files="synthetic",  # no download: see markov_stream
     ),
 }
 
@@ -477,6 +483,34 @@ def write_data_shard(path, tokens):
         f.write(tokens.astype("<u2").tobytes())
 
 
+def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
+    """Documents of 40 to 399 tokens, each led by EOT, walking a random Markov chain over `vocab` tokens with
+    `successors` equally likely next tokens: learnable to ln(successors) nats, far below ln(vocab)."""
+    table = np.random.default_rng(chain_seed).integers(0, vocab, size=(vocab, successors)).tolist()
+    rng, tokens = np.random.default_rng(seed), []
+    while len(tokens) < num_tokens:
+        state, choices = int(rng.integers(vocab)), rng.integers(successors, size=int(rng.integers(39, 399))).tolist()
+        tokens.append(EOT)
+        for choice in choices:
+            tokens.append(state)
+            state = table[state][choice]
+    return np.array(tokens[:num_tokens])
+
+
+def data_files(args, split, num_tokens):
+    """The shard pattern of a split. For "synthetic", first write the seeded Markov stream as one shard into
+    the log folder; ranks write identical bytes, each renaming its own temp file, so races are harmless."""
+    pattern = getattr(args, f"{split}_files")
+    if pattern != "synthetic":
+        return pattern
+    path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / f"synthetic_{split}_{int(split == 'train'):06d}.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    write_data_shard(tmp, markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed))
+    os.replace(tmp, path)
+    return glob.escape(str(path))
+
+
 class DistributedDataLoader:
     """All ranks walk one global token stream; of each global batch, rank r takes the r-th share."""
 
@@ -617,6 +651,33 @@ def environment_report(world_size, device):
     return lines
 
 
+def load_compile_cache(path, stamp):
+    """Fill the local compile caches from a saved file; returns what happened, for the log."""
+    if not os.path.exists(path):
+        return "not found; rank 0 writes it after step 1"
+    try:
+        header, _, artifacts = Path(path).read_bytes().partition(b"\n")
+        made_by, _, digest = header.decode(errors="replace").rpartition(" sha256=")
+        if made_by != stamp:
+            return f"rejected: made by {made_by[:150]!r}, this run is {stamp!r}; rank 0 replaces it after step 1"
+        if hashlib.sha256(artifacts).hexdigest() != digest or torch.compiler.load_cache_artifacts(artifacts) is None:
+            return "rejected: corrupt or unreadable; rank 0 replaces it after step 1"
+    except Exception as e:  # a bad cache costs a compile, never the run
+        return f"rejected: {type(e).__name__}: {e}"
+    return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
+
+
+def save_compile_cache(path, stamp):
+    """Save what this process compiled: a temp file in the same folder renamed into place, never half a cache."""
+    tmp, artifacts = f"{path}.{os.getpid()}.tmp", (torch.compiler.save_cache_artifacts() or [b""])[0]
+    try:
+        Path(tmp).write_bytes(f"{stamp} sha256={hashlib.sha256(artifacts).hexdigest()}\n".encode() + artifacts)
+        os.replace(tmp, path)
+    except OSError as e:
+        return f"not saved: {e}"
+    return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
+
+
 def train(args):
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -637,8 +698,9 @@ def train(args):
         device = torch.device("cpu")
     compile_model = args.compile == "true" or (args.compile == "auto" and use_cuda)
     hint = fetch_hint(args.num_iterations, args.batch_size)
-    train_loader = DistributedDataLoader(args.train_files, rank, world_size, device, hint)
-    val_loader = DistributedDataLoader(args.val_files, rank, world_size, device, hint)
+    train_loader = DistributedDataLoader(data_files(args, "train", args.num_iterations * args.batch_size + 2),
+                                         rank, world_size, device, hint)
+    val_loader = DistributedDataLoader(data_files(args, "val", args.val_tokens + 2), rank, world_size, device, hint)
     # the data budget, from the shard headers alone: the loader would wrap around silently
     train_batches = train_loader.batches_before_wrap(args.batch_size)
     passes = args.num_iterations / train_batches
@@ -652,6 +714,13 @@ def train(args):
         raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
                         f"({sum(val_loader.sizes):,} tokens, {val_batches * val_batch:,} in whole batches of "
                         f"{val_batch:,}): lower --val_tokens, or add val shards")
+    # compiled code is only valid for the same PyTorch, Triton and device model
+    triton = importlib.util.find_spec("triton") and importlib.metadata.version("triton")
+    stamp = (f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, "
+             f"{torch.cuda.get_device_name(device) if use_cuda else 'cpu'}")
+    cache_note = "ignored: compile is off"
+    if args.compile_cache and compile_model:  # every rank loads, before anything compiles
+        cache_note = load_compile_cache(args.compile_cache, stamp)
     if world_size > 1:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
 
@@ -679,8 +748,12 @@ def train(args):
         log(f"  {name} = {value}", console=False)
     log(f"train shards ({len(train_loader.files)}): {' '.join(train_loader.files)}", console=False)
     log(f"val shards ({len(val_loader.files)}): {' '.join(val_loader.files)}", console=False)
-    log(f"train data: {args.num_iterations * args.batch_size:,} tokens read, {passes:.2f} passes over the shards",
-        console=False)
+    synthetic = "synthetic" in (args.train_files, args.val_files)
+    log(f"data: {f'synthetic Markov-chain documents (seed {args.seed}), no download needed; ' * synthetic}"
+        f"train {args.train_files}, val {args.val_files}; {args.num_iterations * args.batch_size:,} train tokens "
+        f"read, {passes:.2f} passes over the train shards")
+    if args.compile_cache:
+        log(f"compile cache {args.compile_cache}: {cache_note}")
     log("=" * 100, console=False)
 
     torch.manual_seed(args.seed)
@@ -762,6 +835,18 @@ def train(args):
         raw_model.zero_grad(set_to_none=True)
         approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: the step stays asynchronous
         log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{step_avg(approx_ms, step + 1):.2f}ms")
+        if step == 0:  # everything has compiled now: eval at step 0, model and optimisers in step 1
+            synchronize()
+            startup = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step 1"
+            if compile_model:
+                spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)().get("total_wall_time", math.nan)
+                fx, aot = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
+                startup += (f", {spent:.1f}s of it compiling (cache hits/misses: FX graphs {fx['fxgraph_cache_hit']}/"
+                            f"{fx['fxgraph_cache_miss']}, AOT autograd {aot['autograd_cache_hit']}/"
+                            f"{aot['autograd_cache_miss']})")
+                if master and args.compile_cache:
+                    startup += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
+            log(startup)
 
     if profiler:  # "profile: " lines sit between the step lines and the last line, which stays the peak memory
         trace_path = os.path.join(args.log_dir, f"{run_id}.trace.json")

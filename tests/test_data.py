@@ -141,7 +141,7 @@ def test_a_run_that_would_repeat_train_tokens_fails_unless_allowed(tmp_path, cap
     err = run_main(capsys, "--preset", "smoke", "--train_files", pattern, "--val_files", markov_shards[1], *run)
     assert "2 batches of 1,024" in err and "hold 2,049" in err and "--allow_data_repeat" in err
     code, log_dir = smoke_on(short, markov_shards, *run, "--allow_data_repeat", "true", train=pattern)
-    assert code == 0 and "2.00 passes over the shards" in next(log_dir.glob("*.txt")).read_text()
+    assert code == 0 and "2.00 passes over the train shards" in next(log_dir.glob("*.txt")).read_text()
 
 
 def test_val_tokens_beyond_the_val_shards_fail_before_step_one(tmp_path, capsys, markov_shards):
@@ -159,6 +159,30 @@ def test_a_diverging_run_stops_at_the_first_non_finite_val_loss(tmp_path, capsys
     assert code == 1 and "val loss is nan at step 2" in err and "learning rate" in err
     log = next(log_dir.glob("*.txt")).read_text().splitlines()  # kept, and it says why it ended
     assert log[-2].startswith("step:2/6 val_loss:nan") and log[-1].startswith("error: val loss is nan")
+
+
+def test_full_preset_never_falls_back_to_synthetic_data(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/fineweb10B here
+    err = run_main(capsys, "--log_dir", str(tmp_path / "logs"))
+    assert "fineweb_train_*.bin" in err and "cached_fineweb10B.py" in err
+    assert not (tmp_path / "logs").exists()  # no synthetic shard written either
+
+
+def test_synthetic_stream_is_seeded_documents_of_a_four_successor_chain():
+    eot = 50256
+    tokens = train_gpt.markov_stream(20_000, seed=[0, 1], chain_seed=0)
+    assert len(tokens) == 20_000 and tokens[0] == eot
+    assert np.array_equal(tokens, train_gpt.markov_stream(20_000, seed=[0, 1], chain_seed=0))
+    assert not np.array_equal(tokens, train_gpt.markov_stream(20_000, seed=[0, 0], chain_seed=0))
+    starts = np.flatnonzero(tokens == eot)
+    lengths = np.diff(starts)
+    assert lengths.min() >= 40 and lengths.max() <= 399
+    successors = {}
+    for a, b in zip(tokens[:-1], tokens[1:]):
+        if a != eot and b != eot:
+            successors.setdefault(int(a), set()).add(int(b))
+    assert max(len(s) for s in successors.values()) <= 4 and max(successors) < 256
+    assert np.mean([len(s) for s in successors.values()]) > 3  # and not fewer: the chain is that random
 
 
 def test_corrupt_shard_through_main(tmp_path, capsys, markov_shards):

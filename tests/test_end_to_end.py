@@ -1,11 +1,14 @@
 """Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and learning."""
 import re
 
+import numpy as np
+
 from conftest import LN_VOCAB, REPO, unigram_entropy
 
 SOURCE = (REPO / "train_gpt.py").read_text()
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
 TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
+STARTUP_LINE = re.compile(r"^startup: (\d+\.\d)s from launch to the end of step 1")  # the one line besides steps
 
 
 def step_lines(log_path):
@@ -26,7 +29,7 @@ def val_losses(log_path):
     for line in lines:
         if m := VAL_LINE.match(line):
             losses[int(m[1])] = float(m[3])
-        else:
+        elif not STARTUP_LINE.match(line):
             assert TRAIN_LINE.match(line), f"line does not parse: {line!r}"
     return losses
 
@@ -39,6 +42,10 @@ def test_log_has_source_header_and_parsable_step_lines(smoke_runs):
     assert "  num_iterations = 8" in rest and any(r.startswith("train shards (2): ") for r in rest)
     steps = [int(TRAIN_LINE.match(x)[1]) for x in lines if TRAIN_LINE.match(x)]
     assert steps == list(range(1, 9))
+    # launch-to-first-step, once, right after step 1; it cannot exceed the whole run
+    startup = [i for i, line in enumerate(lines) if STARTUP_LINE.match(line)]
+    assert len(startup) == 1 and lines[startup[0] - 1].startswith("step:1/8 train_time:")
+    assert 0 < float(STARTUP_LINE.match(lines[startup[0]])[1]) < 600
     assert sorted(val_losses(log)) == [0, 4, 8]
     # timing restarts at step 10: no timed steps yet, so step_avg is nan throughout this short run
     assert all(line.endswith("step_avg:nanms") for line in lines)
@@ -54,9 +61,15 @@ def test_two_processes_give_the_same_validation_losses_as_one(smoke_runs):
     assert one[8] < one[0] - 1  # and it is not trivially equal because nothing moved
 
 
-def test_smoke_run_learns_the_markov_chain(smoke_runs, markov_shards):
-    losses = val_losses(smoke_runs.full())
-    entropy = unigram_entropy(markov_shards[2])
+def test_smoke_run_with_no_data_named_learns_its_synthetic_markov_chain(smoke_runs):
+    log = smoke_runs.full()
+    _, rest = step_lines(log)
+    assert any(line.startswith("data: synthetic Markov-chain documents (seed 0), no download needed") for line in rest)
+    losses = val_losses(log)
+    # the val tokens it wrote, read here as plain numbers past the 1024-byte header
+    val = np.fromfile(log.parent / "synthetic-seed0" / "synthetic_val_000000.bin", dtype="<u2", offset=1024)
+    assert len(val) >= 4096 and val[0] == 50256 and val.max() == 50256 and val[val != 50256].max() < 256
+    entropy = unigram_entropy(val.astype(np.int64))
     final = losses[max(losses)]
     assert losses[0] == round(LN_VOCAB, 4)
     # the chain allows about ln 4 = 1.39 nats; the unigram entropy is about 5.4

@@ -1,0 +1,52 @@
+"""The portable compile cache: what one process compiled, another with empty local caches reuses."""
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+import train_gpt
+
+STAMP = "train_gpt compile cache: torch test"
+
+# compile one small function with this process's (empty) local caches, around the trainer's load and save
+COMPILE = f"""
+import sys, torch
+sys.path.insert(0, {str(REPO)!r})
+import train_gpt
+print(train_gpt.load_compile_cache(sys.argv[1], {STAMP!r}))
+f = torch.compile(lambda x: x @ x.T)  # a graph of one library call: no C++ kernel to build, so it is quick
+f(torch.randn(8, 8))
+counts = torch._dynamo.utils.counters["inductor"]
+print(counts["fxgraph_cache_hit"], counts["fxgraph_cache_miss"])
+print(train_gpt.save_compile_cache(sys.argv[1], {STAMP!r}))
+"""
+
+
+def compile_in_fresh_process(cache, tmp_path, name):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"{name}_inductor"),
+               TRITON_CACHE_DIR=str(tmp_path / f"{name}_triton"))
+    result = subprocess.run([sys.executable, "-c", COMPILE, str(cache)], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.splitlines()[-3:]
+
+
+def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(tmp_path):
+    cache = tmp_path / "compile.cache"
+    loaded, counts, saved = compile_in_fresh_process(cache, tmp_path, "first")
+    assert loaded.startswith("not found") and counts == "0 1" and saved.startswith("saved")
+    assert not list(tmp_path.glob("*.tmp"))  # the temp file was renamed into place
+    loaded, counts, _ = compile_in_fresh_process(cache, tmp_path, "second")
+    assert loaded.startswith("loaded") and counts == "1 0"  # inductor's own count: a hit, no new code
+
+
+def test_foreign_or_corrupt_cache_is_reported_and_ignored(tmp_path):
+    path = tmp_path / "compile.cache"
+    assert train_gpt.load_compile_cache(str(path), STAMP).startswith("not found")
+    path.write_bytes(b"train_gpt compile cache: torch 0.1, triton none, Other GPU sha256=00\npayload")
+    assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected: made by 'train_gpt compile cache: torch 0.1")
+    path.write_bytes(f"{STAMP} sha256={'0' * 64}\n".encode() + b"payload")
+    assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected: corrupt")
+    path.write_bytes(bytes(range(256)) * 8)
+    assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected")
