@@ -260,6 +260,8 @@ class CastedLinear(nn.Linear):
             nn.init.zeros_(self.weight)
 
     def forward(self, x):
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16:  # same roundings; bf16 GEMMs crawl on AVX2 CPUs
+            return F.linear(x.float(), self.weight.type_as(x).float()).type_as(x)
         return F.linear(x, self.weight.type_as(x))
 
 
@@ -310,8 +312,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if isinstance(mask, BlockMask):
             y = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5, kernel_options=self.kernel_options)
-        else:  # CPU: the same mask as a dense boolean matrix
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
+        else:  # CPU: the same mask as a dense boolean matrix; fp32 arithmetic on the bf16 values, as above
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                               scale=self.head_dim ** -0.5).type_as(q)
         return self.proj(y.transpose(1, 2).reshape(B, T, dim))
 
 

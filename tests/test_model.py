@@ -3,6 +3,7 @@ import math
 
 import torch
 
+import train_gpt
 from train_gpt import GPT, Hyperparameters
 
 
@@ -48,3 +49,21 @@ def test_value_embeddings_reach_the_loss_only_in_their_layers():
     model(tokens, tokens.roll(-1), torch.tensor(2, dtype=torch.int32)).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_cpu_linear_rounds_like_a_bf16_matrix_product():
+    """On CPU a bf16 CastedLinear multiplies in fp32 (fast without AVX-512); it must round where a bf16 product does."""
+    torch.manual_seed(0)
+    layer = train_gpt.CastedLinear(96, 160)
+    x = torch.randn(64, 96).bfloat16().requires_grad_()
+    y = layer(x)
+    weight = layer.weight.detach().bfloat16().requires_grad_()
+    reference = torch.nn.functional.linear(x, weight)  # PyTorch's own bf16 product
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, reference, rtol=8e-3, atol=1e-5)  # one bf16 rounding apart at most
+    g = torch.randn(64, 160).bfloat16()
+    grads = torch.autograd.grad(y, (x, layer.weight), g)
+    ref_grads = torch.autograd.grad(reference, (x, weight), g)
+    assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
+    torch.testing.assert_close(grads[0], ref_grads[0], rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(grads[1], ref_grads[1].float(), rtol=8e-3, atol=1e-5)
