@@ -2,7 +2,7 @@
 
 Run:   torchrun --standalone --nproc_per_node=8 train_gpt.py      (or ./run.sh)
 Smoke: python train_gpt.py --preset smoke   (CPU, under a minute, built-in synthetic data; or name shards)
-Reads top to bottom in the order data flows: configuration, Muon, model, attention masks, data,
+Reads top to bottom in the order data flows: configuration, Muon, kernels, model, attention masks, data,
 training loop, main(). Nothing runs on import; tests import the parts.
 """
 import time
@@ -70,7 +70,7 @@ class Hyperparameters:
     muon_momentum: float = 0.95
     muon_momentum_warmup_steps: int = 300
     # evaluation, logging, runtime
-    val_loss_every: int = 125  # 0: only at the start and the end
+    val_loss_every: int = 125  # 0: only after the last step
     log_dir: str = "logs"
     save_checkpoint: bool = False
     compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
