@@ -12,7 +12,6 @@ import contextlib
 import glob
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import math
 import os
@@ -717,9 +716,8 @@ def train(args):
         raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
                         f"({sum(val_loader.sizes):,} tokens, {val_batches * val_batch:,} in whole batches of "
                         f"{val_batch:,}): lower --val_tokens, or add val shards")
-    # compiled code is only valid for the same PyTorch, Triton and device model
-    triton = importlib.util.find_spec("triton") and importlib.metadata.version("triton")
-    stamp = (f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, "
+    triton = next((d.version for d in importlib.metadata.distributions(name="triton")), None)
+    stamp = (f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, "  # what compiled code depends on
              f"{torch.cuda.get_device_name(device) if use_cuda else 'cpu'}")
     cache_note = "ignored: compile is off"
     if args.compile_cache and compile_model:  # every rank loads, before anything compiles
@@ -841,12 +839,11 @@ def train(args):
         if step == 0:  # everything has compiled now: eval at step 0, model and optimisers in step 1
             synchronize()
             startup = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step 1"
-            if compile_model:
+            if compile_model:  # compile time and the caches' own hit counts, from torch._dynamo
                 spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)().get("total_wall_time", math.nan)
                 fx, aot = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
-                startup += (f", {spent:.1f}s of it compiling (cache hits/misses: FX graphs {fx['fxgraph_cache_hit']}/"
-                            f"{fx['fxgraph_cache_miss']}, AOT autograd {aot['autograd_cache_hit']}/"
-                            f"{aot['autograd_cache_miss']})")
+                startup += (f", {spent:.1f}s of it compiling (cache hits/misses: FX graph {fx['fxgraph_cache_hit']}/"
+                            f"{fx['fxgraph_cache_miss']}, AOT {aot['autograd_cache_hit']}/{aot['autograd_cache_miss']})")
                 if master and args.compile_cache:
                     startup += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
             log(startup)
