@@ -1,7 +1,7 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model on FineWeb-10B to 3.28 val loss, one file.
 
 Run:   torchrun --standalone --nproc_per_node=8 train_gpt.py      (or ./run.sh)
-Smoke: python train_gpt.py --preset smoke   (CPU, under a minute, built-in synthetic data; or name shards)
+Smoke: python train_gpt.py --preset smoke   (CPU, minutes; built-in synthetic data unless shards are named)
 Reads top to bottom in the order data flows: configuration, Muon, kernels, model, attention masks, data,
 training loop, main(). Nothing runs on import; tests import the parts.
 """
