@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 @dataclass
 class Hyperparameters:
-    # data: glob patterns of shards (SPEC 3), taken in sorted file-name order
+    # data: glob patterns of token shards, taken in sorted file-name order
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
     val_tokens: int = 10_485_760  # the first 10,485,760 val tokens, fixed by the record rules
@@ -76,10 +76,9 @@ class Hyperparameters:
     compile_tuning: bool = False  # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compile
     compile_cache: str = ""  # a file: load compiled code from it before compiling, save it after step 1
     seed: int = 0
-    # speed options: off until a GPU has measured them (issue 9)
+    # speed options: off until a GPU has measured them
     fused_head_loss: bool = False  # head + softcap + cross-entropy chunk by chunk, gradients in the forward pass
     fused_qkv: bool = False  # q, k, v as one product of the stacked weights (still three matrices for Muon)
-    flex_kernel_options: str = ""  # JSON object for flex_attention's kernel_options, e.g. '{"bwd_num_warps": 8}'; ignored on CPU
     profile: int = 0  # profile this many train steps after warm-up: trace and top-kernel table in log_dir
 
 
@@ -100,7 +99,12 @@ EOT = 50256  # <|endoftext|>, precedes every document
 
 
 class UserError(Exception):
-    """A problem the user can fix (data, configuration, hardware); main() prints it without a traceback."""
+    """A problem the user can fix (data, configuration, hardware); main() prints it without a traceback,
+    on rank 0 only unless it may happen on one rank alone."""
+
+    def __init__(self, message, every_rank=False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 # -----------------------------------------------------------------------------
@@ -285,9 +289,9 @@ class Rotary(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim, num_heads, fused_qkv=False, kernel_options=None):
+    def __init__(self, dim, num_heads, fused_qkv=False):
         super().__init__()
-        self.num_heads, self.fused_qkv, self.kernel_options = num_heads, fused_qkv, kernel_options
+        self.num_heads, self.fused_qkv = num_heads, fused_qkv
         self.head_dim = dim // num_heads
         self.q = CastedLinear(dim, dim)
         self.k = CastedLinear(dim, dim)
@@ -310,7 +314,7 @@ class CausalSelfAttention(nn.Module):
             v = self.lambdas[0] * v
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if isinstance(mask, BlockMask):
-            y = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5, kernel_options=self.kernel_options)
+            y = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5)
         else:  # CPU: the same mask as a dense boolean matrix; fp32 arithmetic on the bf16 values, as above
             y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                scale=self.head_dim ** -0.5).type_as(q)
@@ -328,9 +332,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, num_heads, has_attention, **attn_options):
+    def __init__(self, dim, num_heads, has_attention, fused_qkv=False):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, **attn_options) if has_attention else None
+        self.attn = CausalSelfAttention(dim, num_heads, fused_qkv) if has_attention else None
         self.mlp = MLP(dim)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
 
@@ -342,8 +346,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size, num_layers, num_heads, model_dim, attention_free_layer=7, bf16_embeds=True,
-                 fused_head_loss=False, fused_qkv=False, flex_kernel_options=None):
+    def __init__(self, vocab_size, num_layers, num_heads, model_dim, *, attention_free_layer=7, bf16_embeds=True,
+                 fused_head_loss=False, fused_qkv=False):
         super().__init__()
         if num_layers < 6 or num_layers % 2:
             raise UserError(f"num_layers must be even and at least 6 (U-net halves, 3+3 value-embedded layers); got {num_layers}")
@@ -353,13 +357,19 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(vocab_size, model_dim)
         # three value-embedding tables, used by the first three and the last three layers
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))
-        self.blocks = nn.ModuleList(Block(model_dim, num_heads, i != attention_free_layer, fused_qkv=fused_qkv,
-                                          kernel_options=flex_kernel_options) for i in range(num_layers))
+        self.blocks = nn.ModuleList(Block(model_dim, num_heads, i != attention_free_layer, fused_qkv)
+                                    for i in range(num_layers))
         self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))  # U-net: encoder i feeds decoder
         self.lm_head = CastedLinear(model_dim, vocab_size, zero_init=True)  # untied; step-0 loss = ln(vocab)
         if bf16_embeds:
             for table in [self.embed, *self.value_embeds]:
                 table.bfloat16()
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
+                   attention_free_layer=args.attention_free_layer, bf16_embeds=args.bf16_embeds,
+                   fused_head_loss=args.fused_head_loss, fused_qkv=args.fused_qkv)
 
     def value_embed_index(self, layer):
         if layer < 3:
@@ -430,7 +440,7 @@ def build_dense_mask(inputs, window_blocks):
 
 
 # -----------------------------------------------------------------------------
-# Data: token shards (SPEC 3) and the loader every rank walks in step
+# Data: token shards and the loader every rank walks in step
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
 FINEWEB_SHARD_TOKENS = 100_000_000  # each FineWeb train shard on the hub
@@ -499,7 +509,7 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     return np.array(tokens[:num_tokens])
 
 
-def data_files(args, split, num_tokens):
+def prepare_shards(args, split, num_tokens):
     """The shard pattern of a split. For "synthetic", first write the seeded Markov stream as one shard into
     the log folder; ranks write identical bytes, each renaming its own temp file, so races are harmless."""
     pattern = getattr(args, f"{split}_files")
@@ -559,6 +569,8 @@ class DistributedDataLoader:
 # -----------------------------------------------------------------------------
 # Training loop
 
+UNTIMED_STEPS = 10  # the first steps compile and warm up; train_time starts after them
+
 
 def lr_multiplier(step, args):
     """Stable, then linear decay to 0 over the last cooldown_frac of the steps."""
@@ -578,19 +590,8 @@ def window_blocks_at(step, args):
 
 
 def step_avg(train_time_ms, steps_done):
-    """Mean ms per timed step; the first 10 steps (compilation, warm-up) are not timed."""
-    return train_time_ms / (steps_done - 10) if steps_done > 10 else float("nan")
-
-
-def parse_kernel_options(text):
-    """--flex_kernel_options: '' (torch's defaults) or a JSON object of FlexAttention kernel options."""
-    try:
-        options = json.loads(text) if text else None
-    except json.JSONDecodeError as e:
-        raise UserError(f"--flex_kernel_options is not valid JSON ({e}); give an object like '{{\"num_warps\": 8}}'")
-    if options is not None and not isinstance(options, dict):
-        raise UserError(f"--flex_kernel_options must be a JSON object like '{{\"num_warps\": 8}}', got {text!r}")
-    return options
+    """Mean ms per timed step; the untimed warm-up steps are left out."""
+    return train_time_ms / (steps_done - UNTIMED_STEPS) if steps_done > UNTIMED_STEPS else float("nan")
 
 
 def micro_batch_plan(args, world_size):
@@ -610,6 +611,98 @@ def micro_batch_plan(args, world_size):
     return micro, share // micro, val_batch
 
 
+def setup_device():
+    """Rank, world size and device, from torchrun's environment (a single process without it)."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if not torch.cuda.is_available():
+        return rank, world_size, torch.device("cpu")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.device_count() < local_world:
+        raise UserError(f"{local_world} processes on this node but {torch.cuda.device_count()} GPUs visible: "
+                        f"use --nproc_per_node={torch.cuda.device_count()} (the global batch stays the same)")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if torch.cuda.get_device_capability(device) < (8, 0):  # bf16 matrix units arrived with Ampere
+        raise UserError(f"{torch.cuda.get_device_name(device)} has no bf16 support, which this model computes in: "
+                        "it needs an Ampere or newer GPU (A100, A10, L4, L40S, RTX 30xx or later, H100)")
+    torch.cuda.set_device(device)
+    return rank, world_size, device
+
+
+def build_loaders(args, rank, world_size, device, val_batch):
+    """Train and val loaders, with the data budget checked from the shard headers before step 1:
+    the loader itself would wrap around silently."""
+    hint = fetch_hint(args.num_iterations, args.batch_size)
+    train_loader = DistributedDataLoader(prepare_shards(args, "train", args.num_iterations * args.batch_size + 2),
+                                         rank, world_size, device, hint)
+    val_loader = DistributedDataLoader(prepare_shards(args, "val", args.val_tokens + 2), rank, world_size, device, hint)
+    train_batches = train_loader.batches_before_wrap(args.batch_size)
+    passes = args.num_iterations / train_batches
+    if passes > 1 and not args.allow_data_repeat:
+        raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} train tokens "
+                        f"({args.num_iterations * args.batch_size:,} tokens) but the train shards hold "
+                        f"{sum(train_loader.sizes):,}, enough for {train_batches} without repeating: {hint}, "
+                        "lower --num_iterations, or pass --allow_data_repeat true to reuse tokens")
+    val_batches = val_loader.batches_before_wrap(val_batch)
+    if args.val_tokens // val_batch > val_batches:
+        raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
+                        f"({sum(val_loader.sizes):,} tokens, {val_batches * val_batch:,} in whole batches of "
+                        f"{val_batch:,}): lower --val_tokens, or add val shards")
+    return train_loader, val_loader, passes
+
+
+class RunLog:
+    """Rank 0's log, logs/<uuid>.txt: the exact source, the environment and configuration, then the step lines.
+    The one place that opens, writes and closes it; an error that stops the run is its last line."""
+
+    def __init__(self, args, master):
+        self.file, self.run_id = None, str(uuid.uuid4())
+        if master:
+            os.makedirs(args.log_dir, exist_ok=True)
+            self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
+            self.file = open(self.path, "w")
+            print(f"logging to {self.path}")
+            self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+
+    def __call__(self, line, console=True):
+        if self.file:
+            if console:
+                print(line)
+            self.file.write(line + "\n")
+            self.file.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if isinstance(error, UserError):
+            self(f"error: {error}", console=False)  # main() prints it
+        if self.file:
+            self.file.close()
+
+    def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
+        self("\n".join([*environment_report(world_size, device), "=" * 100, "hyperparameters:"]), console=False)
+        for name, value in asdict(args).items():
+            self(f"  {name} = {value}", console=False)
+        for name, loader in (("train", train_loader), ("val", val_loader)):
+            self(f"{name} shards ({len(loader.files)}): {' '.join(loader.files)}", console=False)
+        synthetic = "synthetic" in (args.train_files, args.val_files)
+        self(f"data: {f'synthetic Markov-chain documents (seed {args.seed}), no download needed; ' * synthetic}"
+             f"train {args.train_files}, val {args.val_files}; {args.num_iterations * args.batch_size:,} train tokens "
+             f"read, {passes:.2f} passes over the train shards")
+        if args.compile_cache:
+            self(f"compile cache {args.compile_cache}: {cache_note}")
+        self("=" * 100, console=False)
+
+
+def environment_report(world_size, device):
+    lines = [f"Running Python {sys.version}",
+             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+             f"devices: {world_size} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"]
+    if shutil.which("nvidia-smi"):
+        lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
+    return lines
+
+
 def build_optimizers(model, args, compiled=False):
     """Adam for embeddings, head and scalars; Muon for the matrices inside the blocks."""
     adam_groups = [
@@ -620,37 +713,34 @@ def build_optimizers(model, args, compiled=False):
     adam = torch.optim.Adam(adam_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)  # fused: CUDA and CPU
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
     muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum, compiled=compiled)
-    optimizers = [adam, muon]
-    for opt in optimizers:
+    for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
-    return optimizers
+    return adam, muon
 
 
-@torch.no_grad()
-def evaluate(model, loader, args, val_batch, window_blocks, world_size):
-    model.eval()
-    loader.reset()
-    steps = args.val_tokens // val_batch
-    total = torch.zeros((), device=window_blocks.device)
-    for _ in range(steps):
-        inputs, targets = loader.next_batch(val_batch)
-        total += model(inputs, targets, window_blocks)
-    total /= steps
+def build_model(args, device, world_size, compiled):
+    """The model, its optimisers, and the (compiled, DDP-wrapped) module the loop calls."""
+    torch.manual_seed(args.seed)
+    model = GPT.from_args(args).to(device)
+    adam, muon = build_optimizers(model, args, compiled=compiled)
+    train_model = model
+    if compiled:
+        if args.compile_tuning:  # record 18 sets no inductor option; H100: first compile 514 s instead of 120 s
+            from torch._inductor import config as inductor_config
+            inductor_config.coordinate_descent_tuning = True
+        train_model = torch.compile(model, dynamic=False)
     if world_size > 1:
-        dist.all_reduce(total)  # gloo has no AVG
-        total /= world_size
-    model.train()
-    return total.item()
+        train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None,
+                          broadcast_buffers=False, gradient_as_bucket_view=True)
+    return model, train_model, adam, muon
 
 
-def environment_report(world_size, device):
-    lines = [f"Running Python {sys.version}",
-             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
-             f"devices: {world_size} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"]
-    if shutil.which("nvidia-smi"):
-        lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
-    return lines
+def compile_cache_stamp(device):
+    """What compiled code depends on; a cache file made under another stamp is not used."""
+    triton = next((d.version for d in importlib.metadata.distributions(name="triton")), None)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, {gpu}"
 
 
 def load_compile_cache(path, stamp):
@@ -680,195 +770,167 @@ def save_compile_cache(path, stamp):
     return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
 
-def train(args):
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    master = rank == 0
-    micro, accum_steps, val_batch = micro_batch_plan(args, world_size)
-    kernel_options = parse_kernel_options(args.flex_kernel_options)
+def startup_report(args, compiled, stamp, master):
+    """Seconds from launch to the end of step 1 and, when compiling, the compile share and cache hits."""
+    line = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step 1"
+    if compiled:  # compile time and the caches' own hit counts, from torch._dynamo
+        spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)().get("total_wall_time", math.nan)
+        fx, aot = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
+        line += (f", {spent:.1f}s of it compiling (cache hits/misses: FX graph {fx['fxgraph_cache_hit']}/"
+                 f"{fx['fxgraph_cache_miss']}, AOT {aot['autograd_cache_hit']}/{aot['autograd_cache_miss']})")
+        if master and args.compile_cache:
+            line += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
+    return line
 
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if torch.cuda.device_count() < local_world:
-            raise UserError(f"{local_world} processes on this node but {torch.cuda.device_count()} GPUs visible: "
-                            f"use --nproc_per_node={torch.cuda.device_count()} (the global batch stays the same)")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    compile_model = args.compile == "true" or (args.compile == "auto" and use_cuda)
-    hint = fetch_hint(args.num_iterations, args.batch_size)
-    train_loader = DistributedDataLoader(data_files(args, "train", args.num_iterations * args.batch_size + 2),
-                                         rank, world_size, device, hint)
-    val_loader = DistributedDataLoader(data_files(args, "val", args.val_tokens + 2), rank, world_size, device, hint)
-    # the data budget, from the shard headers alone: the loader would wrap around silently
-    train_batches = train_loader.batches_before_wrap(args.batch_size)
-    passes = args.num_iterations / train_batches
-    if passes > 1 and not args.allow_data_repeat:
-        raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} train tokens "
-                        f"({args.num_iterations * args.batch_size:,} tokens) but the train shards hold "
-                        f"{sum(train_loader.sizes):,}, enough for {train_batches} without repeating: {hint}, "
-                        "lower --num_iterations, or pass --allow_data_repeat true to reuse tokens")
-    val_batches = val_loader.batches_before_wrap(val_batch)
-    if args.val_tokens // val_batch > val_batches:
-        raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
-                        f"({sum(val_loader.sizes):,} tokens, {val_batches * val_batch:,} in whole batches of "
-                        f"{val_batch:,}): lower --val_tokens, or add val shards")
-    triton = next((d.version for d in importlib.metadata.distributions(name="triton")), None)
-    stamp = (f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, "  # what compiled code depends on
-             f"{torch.cuda.get_device_name(device) if use_cuda else 'cpu'}")
+
+class StepProfiler:
+    """--profile N: rank 0 runs N train steps after warm-up under torch.profiler; the trace goes beside the
+    log and the top kernels into it as "profile:" lines, before the last line (the peak memory)."""
+
+    def __init__(self, args, device, master):
+        start = max(0, min(12, args.num_iterations - args.profile))  # after warm-up, earlier in short runs
+        self.steps = range(start, min(args.num_iterations, start + args.profile)) if master else range(0)
+        self.device, self.profiler = device, None
+
+    def at(self, step):
+        if self.steps and step == self.steps.start:
+            cuda = [torch.profiler.ProfilerActivity.CUDA] * (self.device.type == "cuda")
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
+            self.profiler.start()
+        if self.profiler and step == self.steps.stop:
+            synchronize(self.device)
+            self.profiler.stop()
+
+    def report(self, log):
+        if not self.profiler:
+            return
+        trace_path = os.path.join(os.path.dirname(log.path), f"{log.run_id}.trace.json")
+        self.profiler.export_chrome_trace(trace_path)
+        log(f"profile: {len(self.steps)} step(s) from step {self.steps.start + 1} ran under the profiler, so the times "
+            f"above are not representative; trace for Perfetto or chrome://tracing: {trace_path}")
+        kind = "device" if self.device.type == "cuda" else "cpu"
+        for line in self.profiler.key_averages().table(sort_by=f"self_{kind}_time_total", row_limit=25).splitlines():
+            log(f"profile: {line}", console=False)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def stop_if_diverged(val_loss, step):
+    if not math.isfinite(val_loss):  # every rank sees the same reduced loss, so all stop here
+        raise UserError(f"val loss is {val_loss} at step {step}: training diverged, most likely a learning rate "
+                        "too high for this configuration (--muon_lr, --embed_lr, --head_lr, --scalar_lr)")
+
+
+@contextlib.contextmanager
+def out_of_memory_as_error(micro):
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise UserError(f"out of GPU memory with micro-batches of {micro:,} tokens: pass --max_device_batch_size "
+                        f"{micro // 2} (half usually fits; the global batch and the maths stay the same)",
+                        every_rank=True) from None
+
+
+def peak_memory_mib(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() // 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # CPU: peak resident memory (KiB on Linux)
+
+
+@torch.no_grad()
+def evaluate(model, loader, args, val_batch, window_blocks, world_size):
+    model.eval()
+    loader.reset()
+    steps = args.val_tokens // val_batch
+    total = torch.zeros((), device=window_blocks.device)
+    for _ in range(steps):
+        inputs, targets = loader.next_batch(val_batch)
+        total += model(inputs, targets, window_blocks)
+    total /= steps
+    if world_size > 1:
+        dist.all_reduce(total)  # gloo has no AVG
+        total /= world_size
+    model.train()
+    return total.item()
+
+
+def save_checkpoint(args, log, model, optimizers):
+    folder = os.path.join(args.log_dir, log.run_id)
+    os.makedirs(folder, exist_ok=True)
+    torch.save(dict(step=args.num_iterations, code=Path(__file__).read_text(), args=asdict(args),
+                    model=model.state_dict(), optimizers=[opt.state_dict() for opt in optimizers]),
+               os.path.join(folder, f"state_step{args.num_iterations:06d}.pt"))
+
+
+def train(args):
+    rank, world_size, device = setup_device()
+    micro, accum_steps, val_batch = micro_batch_plan(args, world_size)
+    train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
+    compiled = args.compile == "true" or (args.compile == "auto" and device.type == "cuda")
+    stamp = compile_cache_stamp(device)
     cache_note = "ignored: compile is off"
-    if args.compile_cache and compile_model:  # every rank loads, before anything compiles
+    if args.compile_cache and compiled:  # every rank loads, before anything compiles
         cache_note = load_compile_cache(args.compile_cache, stamp)
     if world_size > 1:
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
 
-    log_file, source = None, Path(__file__).read_text()
-    if master:
-        os.makedirs(args.log_dir, exist_ok=True)
-        run_id = str(uuid.uuid4())
-        log_path = os.path.join(args.log_dir, f"{run_id}.txt")
-        log_file = open(log_path, "w")
-        print(f"logging to {log_path}")
-        log_file.write(source + "\n" + "=" * 100 + "\n")
+    with RunLog(args, master=rank == 0) as log, out_of_memory_as_error(micro):
+        log.header(args, world_size, device, train_loader, val_loader, passes, cache_note)
+        model, train_model, adam, muon = build_model(args, device, world_size, compiled)
+        # a device tensor, changed in place: the compiled graph sees a new value, never a new constant
+        window_blocks = torch.tensor(window_blocks_at(0, args), dtype=torch.int32, device=device)
+        profiler = StepProfiler(args, device, master=rank == 0)
+        N = args.num_iterations
+        train_time_ms, t0 = 0.0, time.perf_counter()
+        for step in range(N + 1):
+            last_step = step == N
+            if step == UNTIMED_STEPS:
+                train_time_ms, t0 = 0.0, time.perf_counter()
+            profiler.at(step)
+            window_blocks.fill_(window_blocks_at(step, args))
 
-    def log(line, console=True):
-        if master:
-            if console:
-                print(line)
-            log_file.write(line + "\n")
-            log_file.flush()
+            if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
+                synchronize(device)  # validation is not train time
+                train_time_ms += 1000 * (time.perf_counter() - t0)
+                val_loss = evaluate(train_model, val_loader, args, val_batch, window_blocks, world_size)
+                log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_time_ms:.0f}ms "
+                    f"step_avg:{step_avg(train_time_ms, step):.2f}ms")
+                stop_if_diverged(val_loss, step)
+                synchronize(device)
+                t0 = time.perf_counter()
+            if last_step:
+                break
 
-    for line in environment_report(world_size, device):
-        log(line, console=False)
-    log("=" * 100, console=False)
-    log("hyperparameters:", console=False)
-    for name, value in asdict(args).items():
-        log(f"  {name} = {value}", console=False)
-    log(f"train shards ({len(train_loader.files)}): {' '.join(train_loader.files)}", console=False)
-    log(f"val shards ({len(val_loader.files)}): {' '.join(val_loader.files)}", console=False)
-    synthetic = "synthetic" in (args.train_files, args.val_files)
-    log(f"data: {f'synthetic Markov-chain documents (seed {args.seed}), no download needed; ' * synthetic}"
-        f"train {args.train_files}, val {args.val_files}; {args.num_iterations * args.batch_size:,} train tokens "
-        f"read, {passes:.2f} passes over the train shards")
-    if args.compile_cache:
-        log(f"compile cache {args.compile_cache}: {cache_note}")
-    log("=" * 100, console=False)
+            inputs, targets = train_loader.next_batch(args.batch_size)
+            for i in range(accum_steps):
+                # gradients are all-reduced once per step, on the last micro-batch
+                last_micro = i == accum_steps - 1
+                no_sync = train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
+                with no_sync:
+                    part = slice(i * micro, (i + 1) * micro)
+                    (train_model(inputs[part], targets[part], window_blocks) / accum_steps).backward()
+            for opt in (adam, muon):
+                for group in opt.param_groups:
+                    group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
+            for group in muon.param_groups:
+                group["momentum"] = muon_momentum(step, args)
+            adam.step()
+            muon.step()
+            model.zero_grad(set_to_none=True)
+            approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: the step stays asynchronous
+            log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{step_avg(approx_ms, step + 1):.2f}ms")
+            if step == 0:  # everything has compiled now: eval at step 0, model and optimisers in step 1
+                synchronize(device)
+                log(startup_report(args, compiled, stamp, master=rank == 0))
 
-    torch.manual_seed(args.seed)
-    raw_model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
-                    args.attention_free_layer, args.bf16_embeds, args.fused_head_loss, args.fused_qkv,
-                    kernel_options).to(device)
-    optimizers = build_optimizers(raw_model, args, compiled=compile_model)
-    model = raw_model
-    if compile_model:
-        if args.compile_tuning:  # record 18 sets no inductor option; H100: first compile 514 s instead of 120 s
-            from torch._inductor import config as inductor_config
-            inductor_config.coordinate_descent_tuning = True
-        model = torch.compile(model, dynamic=False)
-    ddp_model = model
-    if world_size > 1:
-        ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None,
-                        broadcast_buffers=False, gradient_as_bucket_view=True)
-    # a device tensor, changed in place: the compiled graph sees a new value, never a new constant
-    window_blocks = torch.tensor(window_blocks_at(0, args), dtype=torch.int32, device=device)
-
-    def synchronize():
-        if use_cuda:
-            torch.cuda.synchronize()
-
-    N = args.num_iterations
-    train_time_ms = 0.0
-    t0 = time.perf_counter()
-    start = max(0, min(12, N - args.profile))  # after warm-up, earlier in short runs
-    profiled, profiler = range(start, min(N, start + args.profile)), None
-    for step in range(N + 1):
-        last_step = step == N
-        if step == 10:  # the first steps compile and warm up; the clock restarts here
-            train_time_ms = 0.0
-            t0 = time.perf_counter()
-        if master and args.profile > 0 and step == profiled.start:
-            activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * use_cuda
-            profiler = torch.profiler.profile(activities=activities)
-            profiler.start()
-        if profiler and step == profiled.stop:
-            synchronize()
-            profiler.stop()
-        window_blocks.fill_(window_blocks_at(step, args))
-
-        if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
-            synchronize()
-            train_time_ms += 1000 * (time.perf_counter() - t0)
-            val_loss = evaluate(model, val_loader, args, val_batch, window_blocks, world_size)
-            log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_time_ms:.0f}ms "
-                f"step_avg:{step_avg(train_time_ms, step):.2f}ms")
-            if not math.isfinite(val_loss):  # every rank sees the same reduced loss, so all stop here
-                message = (f"val loss is {val_loss} at step {step}: training diverged, most likely a learning rate "
-                           "too high for this configuration (--muon_lr, --embed_lr, --head_lr, --scalar_lr)")
-                log(f"error: {message}", console=False)
-                if log_file:
-                    log_file.close()
-                raise UserError(message)
-            synchronize()
-            t0 = time.perf_counter()
-        if last_step:
-            break
-
-        inputs, targets = train_loader.next_batch(args.batch_size)
-        for i in range(accum_steps):
-            last_micro = i == accum_steps - 1
-            # gradients are all-reduced once per step, on the last micro-batch
-            no_sync = ddp_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
-            with no_sync:
-                part = slice(i * micro, (i + 1) * micro)
-                loss = ddp_model(inputs[part], targets[part], window_blocks)
-                (loss / accum_steps).backward()
-        lr_scale = lr_multiplier(step, args)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["initial_lr"] * lr_scale
-        for group in optimizers[1].param_groups:
-            group["momentum"] = muon_momentum(step, args)
-        for opt in optimizers:
-            opt.step()
-        raw_model.zero_grad(set_to_none=True)
-        approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: the step stays asynchronous
-        log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{step_avg(approx_ms, step + 1):.2f}ms")
-        if step == 0:  # everything has compiled now: eval at step 0, model and optimisers in step 1
-            synchronize()
-            startup = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step 1"
-            if compile_model:  # compile time and the caches' own hit counts, from torch._dynamo
-                spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)().get("total_wall_time", math.nan)
-                fx, aot = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
-                startup += (f", {spent:.1f}s of it compiling (cache hits/misses: FX graph {fx['fxgraph_cache_hit']}/"
-                            f"{fx['fxgraph_cache_miss']}, AOT {aot['autograd_cache_hit']}/{aot['autograd_cache_miss']})")
-                if master and args.compile_cache:
-                    startup += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
-            log(startup)
-
-    if profiler:  # "profile: " lines sit between the step lines and the last line, which stays the peak memory
-        trace_path = os.path.join(args.log_dir, f"{run_id}.trace.json")
-        profiler.export_chrome_trace(trace_path)
-        log(f"profile: {len(profiled)} step(s) from step {profiled.start + 1} ran under the profiler, so the times above "
-            f"are not representative; trace for Perfetto or chrome://tracing: {trace_path}")
-        table = profiler.key_averages().table(sort_by=f"self_{'device' if use_cuda else 'cpu'}_time_total", row_limit=25)
-        for line in table.splitlines():
-            log(f"profile: {line}", console=False)
-    if use_cuda:
-        peak_mib = torch.cuda.max_memory_allocated() // 2 ** 20
-    else:  # CPU: peak resident memory of the process (ru_maxrss is in KiB on Linux)
-        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    log(f"peak memory consumption: {peak_mib} MiB")
-    if master and args.save_checkpoint:
-        ckpt_dir = os.path.join(args.log_dir, run_id)
-        os.makedirs(ckpt_dir, exist_ok=True)
-        torch.save(dict(step=N, code=source, args=asdict(args), model=raw_model.state_dict(),
-                        optimizers=[opt.state_dict() for opt in optimizers]),
-                   os.path.join(ckpt_dir, f"state_step{N:06d}.pt"))
-    if log_file:
-        log_file.close()
+        profiler.report(log)
+        log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
+        if rank == 0 and args.save_checkpoint:
+            save_checkpoint(args, log, model, (adam, muon))
     if world_size > 1:
         dist.barrier()  # no rank tears the process group down while another still writes or reduces
     return 0
@@ -889,7 +951,7 @@ def parse_bool(text):
 def parse_args(argv=None):
     preset_parser = argparse.ArgumentParser(add_help=False)
     preset_parser.add_argument("--preset", choices=sorted(PRESETS))
-    parser = argparse.ArgumentParser(description="NanoGPT speedrun trainer (SPEC.md). Every option has a default.",
+    parser = argparse.ArgumentParser(description="NanoGPT speedrun trainer. Every option has a default.",
                                      parents=[preset_parser])
     for f in fields(Hyperparameters):
         kind = parse_bool if f.type is bool else f.type
@@ -911,7 +973,7 @@ def main(argv=None):
     try:
         return train(args)
     except UserError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
+        if int(os.environ.get("RANK", 0)) == 0 or e.every_rank:
             print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

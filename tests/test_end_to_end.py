@@ -87,8 +87,7 @@ def test_checkpoint_is_the_final_model_and_reproduces_the_final_val_loss(smoke_r
     state = torch.load(checkpoint)
     assert state["step"] == 8 and state["code"] == SOURCE
     args = train_gpt.Hyperparameters(**state["args"])
-    model = train_gpt.GPT(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
-                          args.attention_free_layer, args.bf16_embeds)
+    model = train_gpt.GPT.from_args(args)
     model.load_state_dict(state["model"])
     # the val loss recomputed here, chunk by chunk from the val tokens, must be the logged one
     val = torch.tensor(markov_shards[2][:args.val_tokens + 1])

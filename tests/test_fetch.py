@@ -84,7 +84,7 @@ def fetch(
 
 
 def header_ok(raw: bytes) -> bool:
-    """SPEC section 3, checked independently of both the fetch script and the trainer."""
+    """The shard format (header of 256 int32: magic, version, count; then uint16 tokens), checked independently of both the fetch script and the trainer."""
     if len(raw) < 1024:
         return False
     magic, version, n = np.frombuffer(raw[:12], dtype="<i4")
@@ -99,7 +99,7 @@ def reader_accepts(path: Path) -> bool:
             accepted = True
         except train_gpt.UserError:
             accepted = False
-        assert accepted == ok, f"trainer and SPEC disagree about {path.name}"
+        assert accepted == ok, f"trainer and the shard format disagree about {path.name}"
         if accepted:  # and it reads the same tokens
             expected = np.frombuffer(path.read_bytes()[1024:], dtype="<u2")
             assert np.array_equal(

@@ -1,4 +1,4 @@
-"""The model's shape facts (SPEC 5) and its step-0 loss."""
+"""The model's shape facts and its step-0 loss."""
 import math
 
 import torch

@@ -1,4 +1,4 @@
-"""The optimisers and schedules are record 18's (SPEC 8), and compiling them never recompiles per step."""
+"""The optimisers and schedules are record 18's, and compiling them never recompiles per step."""
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
