@@ -82,6 +82,44 @@ class Hyperparameters:
     profile: int = 0  # profile this many train steps after warm-up: trace and top-kernel table in log_dir
 
 
+def check_hyperparameters(args):
+    """Refuse, naming the option and its valid range, any value that cannot work: called before any file,
+    process group or model exists. The checks that depend on the process count are in micro_batch_plan."""
+    mdbs, heads = args.max_device_batch_size, args.num_heads
+    rules = [  # (fields, test of a value, valid range); in order: a test may use the fields checked above it
+        ("train_files val_files", lambda v: v != "", "a glob of token shards or 'synthetic'"),
+        ("batch_size", lambda v: v > 0 and v % BLOCK_SIZE == 0, f"a positive multiple of {BLOCK_SIZE}"),
+        # one packed sequence per forward: whole attention blocks, no longer than Rotary's table
+        ("max_device_batch_size", lambda v: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
+         f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),
+        ("val_tokens", lambda v: v > 0 and v % mdbs == 0, f"a positive multiple of --max_device_batch_size ({mdbs})"),
+        ("num_iterations num_heads", lambda v: v >= 1, "at least 1"),
+        ("val_loss_every attention_free_layer muon_momentum_warmup_steps profile", lambda v: v >= 0, "at least 0"),
+        ("cooldown_frac", lambda v: 0 <= v <= 1, "from 0 (no decay) to 1 (decay from the first step)"),
+        # the window, interpolated between these two, must hold at least one whole block at every step
+        ("window_start window_end", lambda v: v >= BLOCK_SIZE, f"at least {BLOCK_SIZE} tokens (one attention block)"),
+        ("vocab_size", lambda v: v > EOT, f"at least {EOT + 1}: GPT-2 token ids go up to {EOT} (end of text)"),
+        ("num_layers", lambda v: v >= 6 and v % 2 == 0, "even, at least 6 (U-net halves, 3+3 value-embedded layers)"),
+        ("model_dim", lambda v: v > 0 and v % (4 * heads) == 0,
+         f"a positive multiple of 4 x --num_heads ({4 * heads}): heads of a size divisible by 4 (rotary)"),
+        # 0 is allowed: it freezes that parameter group, an ablation
+        ("embed_lr head_lr scalar_lr muon_lr", lambda v: 0 <= v < math.inf, "finite and at least 0"),
+        # 1 would never let a gradient into the running averages
+        ("adam_beta1 adam_beta2 muon_momentum_start muon_momentum", lambda v: 0 <= v < 1, "at least 0 and below 1"),
+        # Adam divides by sqrt(v) + eps, and v stays 0 for a token the batches never hold
+        ("adam_eps", lambda v: 0 < v < math.inf, "finite and above 0"),
+        ("log_dir", lambda v: v != "" and not os.path.isfile(v), "a folder name (not empty, not an existing file)"),
+        ("compile", lambda v: v in ("auto", "true", "false"), "auto, true or false"),
+        ("compile_cache", lambda v: not os.path.isdir(v), "a file name or '' (off), not a folder"),
+        ("seed", lambda v: 0 <= v < 2 ** 64, "from 0 to 2**64 - 1 (torch.manual_seed's range)"),
+        ("flex_kernel_options", lambda v: parse_kernel_options(v) or True, "a JSON object"),  # raises its own error
+    ]
+    for names, valid, allowed in rules:
+        for name in names.split():
+            if not valid(getattr(args, name)):
+                raise UserError(f"--{name} must be {allowed}; got {getattr(args, name)!r}")
+
+
 # A small model and a short run that finish in minutes on a 2-core CPU; still exercises every part
 # (value embeddings, U-net skips, the attention-free block, window growth, accumulation).
 PRESETS = {
@@ -961,8 +999,6 @@ def parse_args(argv=None):
     if preset:
         parser.set_defaults(**PRESETS[preset])
     namespace = parser.parse_args(argv)
-    if namespace.compile not in ("auto", "true", "false"):
-        parser.error("--compile must be auto, true or false")
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
 
@@ -971,6 +1007,7 @@ def main(argv=None):
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parse_args(argv)
     try:
+        check_hyperparameters(args)  # every value, before anything is written
         return train(args)
     except UserError as e:
         if int(os.environ.get("RANK", 0)) == 0 or e.every_rank:

@@ -153,7 +153,7 @@ def test_val_tokens_beyond_the_val_shards_fail_before_step_one(tmp_path, capsys,
 
 
 def test_a_diverging_run_stops_at_the_first_non_finite_val_loss(tmp_path, capsys, markov_shards):
-    code, log_dir = smoke_on(tmp_path, markov_shards, "--embed_lr", "inf", "--num_iterations", "6",
+    code, log_dir = smoke_on(tmp_path, markov_shards, "--embed_lr", "1e300", "--num_iterations", "6",
                              "--val_loss_every", "2")
     err = capsys.readouterr().err
     assert code == 1 and "val loss is nan at step 2" in err and "learning rate" in err
@@ -191,18 +191,6 @@ def test_corrupt_shard_through_main(tmp_path, capsys, markov_shards):
     corrupt(path, "magic")
     err = run_main(capsys, "--preset", "smoke", "--train_files", str(path), "--val_files", markov_shards[1])
     assert "magic" in err and str(path) in err
-
-
-@pytest.mark.parametrize("argv,words", [
-    (["--batch_size", "3001"], "does not divide among 2 processes"),
-    (["--max_device_batch_size", "384"], "micro-batches"),
-    (["--val_tokens", "5000"], "--val_tokens"),
-])
-def test_batch_sizes_that_do_not_divide_are_refused(capsys, monkeypatch, markov_shards, argv, words):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun with 2 processes
-    err = run_main(capsys, "--preset", "smoke", "--train_files", markov_shards[0],
-                   "--val_files", markov_shards[1], *argv)
-    assert words in err
 
 
 def test_more_processes_than_gpus_is_refused(capsys, monkeypatch, markov_shards):

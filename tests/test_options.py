@@ -1,0 +1,114 @@
+"""Every option is checked at start-up: a value that parses but cannot work ends in one line
+`error: --NAME must be ...; got VALUE`, exit code 1, before any file is written or any step runs."""
+from dataclasses import fields
+
+import pytest
+
+import train_gpt
+from train_gpt import PRESETS, Hyperparameters, check_hyperparameters, parse_args, window_blocks_at
+
+# option: values that parse but cannot work ({file} and {folder}: an existing file and folder)
+BAD = {
+    "train_files": [""],
+    "val_files": [""],
+    "val_tokens": ["0", "-65536", "100"],  # 100: not whole max_device_batch_size sequences
+    "batch_size": ["0", "-1024", "1000"],  # 0: a ZeroDivisionError once
+    "max_device_batch_size": ["0", "100", "131072"],  # 131072: longer than the rotary table
+    "num_iterations": ["0", "-5"],  # 0: once blamed the synthetic shard for holding 2 tokens
+    "cooldown_frac": ["2", "-0.1", "nan"],  # 2: once silently accepted
+    "window_start": ["0", "127"],  # 127 // 128 = 0 blocks at step 0
+    "window_end": ["64"],
+    "vocab_size": ["100", "50256"],  # 100: an IndexError deep in the embedding once; 50256 has no room for EOT
+    "num_layers": ["0", "4", "7"],
+    "num_heads": ["0", "-2"],
+    "model_dim": ["0", "770", "780"],  # 6 heads: 770 does not split, 780 splits into heads of 130
+    "attention_free_layer": ["-1"],
+    "embed_lr": ["-0.1", "nan", "inf"],  # negative: once silently accepted
+    "head_lr": ["-1"],
+    "scalar_lr": ["inf"],
+    "muon_lr": ["nan"],
+    "adam_beta1": ["1.5", "1", "-0.1"],  # 1.5: a ValueError from torch once
+    "adam_beta2": ["1"],
+    "adam_eps": ["0", "-1e-08", "inf"],
+    "muon_momentum_start": ["1"],
+    "muon_momentum": ["-0.5", "1"],
+    "muon_momentum_warmup_steps": ["-1"],
+    "val_loss_every": ["-1"],
+    "log_dir": ["", "{file}"],
+    "compile": ["fast", "True"],
+    "compile_cache": ["{folder}"],
+    "seed": ["-1", str(2 ** 64)],  # -1: a ValueError from numpy once
+    "flex_kernel_options": ["[64]", "7"],  # JSON, but not an object
+    "profile": ["-1"],
+}
+# booleans: no value both parses and fails; parse_bool refuses anything but true/false words (exit code 2)
+NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "fused_head_loss", "fused_qkv"}
+
+# edge values that must pass, so that the checks are not too strict
+GOOD = {
+    "cooldown_frac": ["0", "1"], "adam_beta1": ["0"], "adam_beta2": ["0.999"], "muon_momentum_start": ["0"],
+    "muon_momentum": ["0"], "embed_lr": ["0"], "head_lr": ["0"], "scalar_lr": ["0"], "muon_lr": ["0"],
+    "adam_eps": ["1e-30"], "val_loss_every": ["0"], "profile": ["0"], "muon_momentum_warmup_steps": ["0"],
+    "attention_free_layer": ["0", "100"], "window_start": ["128", "5000"], "window_end": ["128"],
+    "vocab_size": ["50257"], "num_layers": ["6"], "num_heads": ["1", "192"], "model_dim": ["24"],
+    "batch_size": ["128"], "max_device_batch_size": ["128", "65536"], "num_iterations": ["1"],
+    "val_tokens": ["65536"], "seed": [str(2 ** 64 - 1)], "compile": ["auto", "true", "false"],
+    "compile_cache": ["", "cache.bin"], "flex_kernel_options": ["", "{}"], "log_dir": ["new/folder"],
+}
+
+
+def test_every_option_has_bad_values_in_the_table():
+    names = {f.name for f in fields(Hyperparameters)}
+    assert set(BAD) | NO_BAD_VALUE == names and not set(BAD) & NO_BAD_VALUE  # a new field needs a row
+    assert all(f.type is bool for f in fields(Hyperparameters) if f.name in NO_BAD_VALUE)
+
+
+@pytest.mark.parametrize("name,value", [(name, value) for name, values in BAD.items() for value in values])
+def test_a_value_that_cannot_work_is_one_error_line_naming_the_option(tmp_path, capsys, monkeypatch, name, value):
+    monkeypatch.chdir(tmp_path)  # no data here: were a check missing, the run would still stop before a step
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_folder").mkdir()
+    value = value.format(file="a_file", folder="a_folder")
+    argv = ["--log_dir", "logs", f"--{name}={value}"]  # the later --log_dir wins; = lets "-1e-08" through
+    given = getattr(parse_args(argv), name)
+    assert train_gpt.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: --{name} ") and err.count("\n") == 1 and err.endswith("\n"), err
+    assert repr(given) in err and "Traceback" not in err and out == ""  # the value given; no step ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "a_folder"]  # no log folder, no shard
+
+
+def test_defaults_presets_and_edge_values_pass():
+    check_hyperparameters(Hyperparameters())
+    for preset in PRESETS:
+        check_hyperparameters(parse_args(["--preset", preset]))
+    for name, values in GOOD.items():
+        for value in values:
+            check_hyperparameters(parse_args([f"--{name}", value]))
+    with pytest.raises(SystemExit) as info:  # a boolean that is not a true/false word never parses
+        parse_args(["--bf16_embeds", "maybe"])
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize("start,end", [(128, 128), (128, 1856), (1856, 128), (200, 300)])
+def test_windows_that_pass_the_check_hold_a_block_at_every_step(start, end):
+    args = parse_args(["--window_start", str(start), "--window_end", str(end), "--num_iterations", "1390"])
+    check_hyperparameters(args)
+    assert min(window_blocks_at(step, args) for step in range(args.num_iterations + 1)) >= 1
+
+
+# process-count checks (micro_batch_plan): the values pass check_hyperparameters, the process count does not
+@pytest.mark.parametrize("world_size,argv,words", [
+    ("3", ["--batch_size", "1024"], "does not divide among 3 processes"),
+    ("2", ["--max_device_batch_size", "384", "--val_tokens", "3072"], "micro-batches"),
+    ("2", ["--val_tokens", "4608"], "--val_tokens"),  # whole 512-token sequences, but not 2 x 512
+])
+def test_batch_sizes_that_do_not_divide_among_the_processes_are_refused(tmp_path, capsys, monkeypatch,
+                                                                         world_size, argv, words):
+    monkeypatch.setenv("WORLD_SIZE", world_size)  # as under torchrun
+    argv = ["--preset", "smoke", "--log_dir", str(tmp_path / "logs"), *argv]
+    check_hyperparameters(parse_args(argv))
+    assert train_gpt.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and words in err
+    assert not (tmp_path / "logs").exists()
