@@ -112,7 +112,6 @@ def check_hyperparameters(args):
         ("compile", lambda v: v in ("auto", "true", "false"), "auto, true or false"),
         ("compile_cache", lambda v: not os.path.isdir(v), "a file name or '' (off), not a folder"),
         ("seed", lambda v: 0 <= v < 2 ** 64, "from 0 to 2**64 - 1 (torch.manual_seed's range)"),
-        ("flex_kernel_options", lambda v: parse_kernel_options(v) or True, "a JSON object"),  # raises its own error
     ]
     for names, valid, allowed in rules:
         for name in names.split():

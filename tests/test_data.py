@@ -161,6 +161,33 @@ def test_a_diverging_run_stops_at_the_first_non_finite_val_loss(tmp_path, capsys
     assert log[-2].startswith("step:2/6 val_loss:nan") and log[-1].startswith("error: val loss is nan")
 
 
+def test_out_of_gpu_memory_in_a_step_is_one_line_naming_the_micro_batch_option(tmp_path, capsys, markov_shards,
+                                                                              monkeypatch):
+    forward = train_gpt.GPT.forward
+
+    def out_of_memory_in_training(self, *args):  # evaluation passes, the first training step runs out
+        if torch.is_grad_enabled():
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB")
+        return forward(self, *args)
+
+    monkeypatch.setattr(train_gpt.GPT, "forward", out_of_memory_in_training)
+    code, log_dir = smoke_on(tmp_path, markov_shards, "--num_layers", "6", "--model_dim", "64", "--num_iterations", "2")
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: out of GPU memory with micro-batches of 512 tokens: pass --max_device_batch_size 256")
+    log = next(log_dir.glob("*.txt")).read_text().splitlines()  # kept, with the val line before it
+    assert log[-2].startswith("step:0/2 val_loss:") and log[-1] == err.strip()
+
+
+def test_a_gpu_without_bf16_is_refused_at_start_up(capsys, monkeypatch, markov_shards):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    err = run_main(capsys, "--preset", "smoke", "--train_files", markov_shards[0], "--val_files", markov_shards[1])
+    assert "Tesla V100-SXM2-16GB has no bf16 support" in err and "Ampere" in err
+
+
 def test_full_preset_never_falls_back_to_synthetic_data(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no data/fineweb10B here
     err = run_main(capsys, "--log_dir", str(tmp_path / "logs"))

@@ -38,7 +38,6 @@ BAD = {
     "compile": ["fast", "True"],
     "compile_cache": ["{folder}"],
     "seed": ["-1", str(2 ** 64)],  # -1: a ValueError from numpy once
-    "flex_kernel_options": ["[64]", "7"],  # JSON, but not an object
     "profile": ["-1"],
 }
 # booleans: no value both parses and fails; parse_bool refuses anything but true/false words (exit code 2)
@@ -53,7 +52,7 @@ GOOD = {
     "vocab_size": ["50257"], "num_layers": ["6"], "num_heads": ["1", "192"], "model_dim": ["24"],
     "batch_size": ["128"], "max_device_batch_size": ["128", "65536"], "num_iterations": ["1"],
     "val_tokens": ["65536"], "seed": [str(2 ** 64 - 1)], "compile": ["auto", "true", "false"],
-    "compile_cache": ["", "cache.bin"], "flex_kernel_options": ["", "{}"], "log_dir": ["new/folder"],
+    "compile_cache": ["", "cache.bin"], "log_dir": ["new/folder"],
 }
 
 
