@@ -149,33 +149,33 @@ class UserError(Exception):
 
 
 def newton_schulz_wide(X, steps):
-    """The iteration on a wide or square bf16 matrix; Muon compiles this part (one graph per shape)."""
+    """The iteration on a batch of wide or square bf16 matrices (..., rows <= cols), each normalised on its
+    own; Muon compiles this part (one graph per stacked shape)."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = X / (X.norm() + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
-        A = X @ X.T
+        A = X @ X.mT
         B = b * A + c * A @ A
         X = a * X + B @ X
     return X
 
 
-def zeropower_via_newtonschulz5(G, steps, iterate=newton_schulz_wide):
+def zeropower_via_newtonschulz5(G, steps):
     """Roughly orthogonalise G: a quintic Newton-Schulz iteration whose coefficients are tuned to push
     singular values towards 1 fast, not exactly (they land near 0.7 to 1.2). Runs in bfloat16."""
     assert G.ndim == 2
-    tall = G.size(0) > G.size(1)
-    # iterate on the smaller Gram matrix; contiguous, so a tall matrix and its wide twin share one graph
-    X = (G.T if tall else G).to(torch.bfloat16, memory_format=torch.contiguous_format)
-    X = iterate(X, steps)
-    return X.T if tall else X
+    tall = G.size(0) > G.size(1)  # iterate on the smaller Gram matrix
+    X = newton_schulz_wide((G.mT if tall else G).to(torch.bfloat16)[None], steps)[0]
+    return X.mT if tall else X
 
 
 class Muon(torch.optim.Optimizer):
     """SGD-momentum (Nesterov) whose update is orthogonalised, for the 2-D matrices of the blocks.
 
-    Distributed without sharding the state: parameters are grouped by size; in each chunk of
-    world_size parameters rank r orthogonalises the r-th, and all ranks all-gather the bf16 results.
-    The gather is asynchronous and applied one chunk later, so it overlaps the next chunk's work.
+    Distributed without sharding the state: parameters are grouped by shape, a tall matrix counted as its
+    wide transpose. Of a group, rank r takes matrices r, r+W, r+2W, ... (W = world size) and orthogonalises
+    them as one stacked bf16 batch; all ranks all-gather the batches. Each gather is asynchronous and
+    applied only after the later groups' batches are computed, so it overlaps them.
     Gradients must already be averaged across ranks (DDP does it).
     """
 
@@ -183,56 +183,54 @@ class Muon(torch.optim.Optimizer):
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         params = list(params)
-        sizes = sorted({p.numel() for p in params}, reverse=True)
-        groups = [dict(params=[p for p in params if p.numel() == n]) for n in sizes]
+        wide = [tuple(sorted(p.shape)) for p in params]  # a tall matrix is stacked as its wide transpose
+        shapes = sorted(set(wide), key=lambda s: (-s[0] * s[1], s))
+        groups = [dict(params=[p for p, w in zip(params, wide) if w == s]) for s in shapes]
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
-        # compiled as in record 18; static shapes: one graph per matrix shape, never a recompile per step
+        # compiled as in record 18; static shapes: one graph per stacked shape, never a recompile per step
         self.iterate = torch.compile(newton_schulz_wide, dynamic=False) if compiled else newton_schulz_wide
-        # slot r of a group's buffer receives rank r's update; allocated once, outside the state
-        # so that checkpoints stay small
-        self.gathered = [torch.empty(self.world_size * n, dtype=torch.bfloat16, device=params[0].device) for n in sizes]
+        # per group, allocated once and outside the state so that checkpoints stay small: this rank's
+        # stacked input, whose zero padding evens the shares (it orthogonalises to zero), and the gather
+        # buffer, whose slots [r * share, (r + 1) * share) receive rank r's batch
+        shares = [math.ceil(len(g["params"]) / self.world_size) for g in groups]
+        self.stacked = [params[0].new_zeros(n, *s, dtype=torch.bfloat16) for n, s in zip(shares, shapes)]
+        self.gathered = [x.new_empty(self.world_size * len(x), *x.shape[1:]) if self.world_size > 1 else None
+                         for x in self.stacked]
 
     @torch.no_grad()
     def step(self):
-        for group, gathered in zip(self.param_groups, self.gathered):
-            params = group["params"]
-            numel = params[0].numel()
-            pending = None
-            for start in range(0, len(params), self.world_size):
-                mine = start + self.rank
-                if mine < len(params):
-                    update = self._orthogonalised_update(params[mine], group).flatten()
-                else:  # uneven tail: this rank has no matrix in the chunk, it sends zeros
-                    update = gathered.new_zeros(numel)
-                if pending is not None:  # the buffer is free again only once the last chunk is applied
-                    self._apply(*pending, gathered, group["lr"])
-                if self.world_size > 1:
-                    handle = dist.all_gather_into_tensor(gathered, update, async_op=True)
-                else:
-                    gathered.copy_(update)
-                    handle = None
-                pending = (params[start:start + self.world_size], handle)
-            self._apply(*pending, gathered, group["lr"])
+        launched = []
+        for group, stacked, gathered in zip(self.param_groups, self.stacked, self.gathered):
+            mine = group["params"][self.rank::self.world_size]
+            if mine:  # a group with fewer matrices than ranks leaves some ranks only padding
+                self._stack_updates(mine, group, stacked)
+            orthogonalised, handle = self.iterate(stacked, group["ns_steps"]), None
+            if self.world_size > 1:
+                handle = dist.all_gather_into_tensor(gathered, orthogonalised, async_op=True)
+                orthogonalised = gathered
+            launched.append((group, handle, orthogonalised))
+        for group, handle, orthogonalised in launched:  # each gather has overlapped the later groups' batches
+            if handle is not None:
+                handle.wait()
+            share = len(orthogonalised) // self.world_size
+            for i, p in enumerate(group["params"]):  # matrix i is rank i % W's (i // W)-th
+                O = orthogonalised[i % self.world_size * share + i // self.world_size]
+                tall = p.size(0) > p.size(1)
+                scale = max(1, p.size(0) / p.size(1)) ** 0.5  # same RMS step for tall and wide matrices
+                p.add_(O.mT if tall else O, alpha=-group["lr"] * scale)
 
-    def _orthogonalised_update(self, p, group):
-        assert p.grad is not None, "Muon: a matrix received no gradient"
+    def _stack_updates(self, mine, group, stacked):
+        """Momentum for this rank's matrices, Nesterov's look-ahead written straight into the batch."""
+        assert all(p.grad is not None for p in mine), "Muon: a matrix received no gradient"
+        for p in mine:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+        grads = [p.grad for p in mine]
+        buffers = [self.state[p]["momentum_buffer"] for p in mine]
         m = group["momentum"]
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        buf = state["momentum_buffer"]
-        buf.lerp_(p.grad, 1 - m)  # buf = m*buf + (1-m)*g
-        update = p.grad.lerp(buf, m) if group["nesterov"] else buf
-        return zeropower_via_newtonschulz5(update, group["ns_steps"], self.iterate)
-
-    @staticmethod
-    def _apply(chunk, handle, gathered, lr):
-        if handle is not None:
-            handle.wait()
-        numel = chunk[0].numel()
-        for i, p in enumerate(chunk):
-            scale = max(1, p.size(0) / p.size(1)) ** 0.5  # same RMS step for tall and wide matrices
-            p.add_(gathered[i * numel:(i + 1) * numel].view_as(p), alpha=-lr * scale)
+        torch._foreach_lerp_(buffers, grads, 1 - m)  # buf = m*buf + (1-m)*g
+        updates = torch._foreach_lerp(grads, buffers, m) if group["nesterov"] else buffers
+        torch._foreach_copy_(stacked[:len(mine)].unbind(), [u.mT if u.size(0) > u.size(1) else u for u in updates])
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Muon on fixed parameters and gradients, as one process or under torchrun; saves rank 0's result.
 
-Run by tests/test_muon.py: `python tests/muon_worker.py OUT` or through torchrun with 2 processes,
-the way the trainer itself is launched.
+Run by tests/test_muon.py through torchrun with 2 or 3 processes, the way the trainer itself is launched;
+the test runs train() in its own process for the single-process result.
 """
 import os
 import sys
@@ -13,7 +13,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from train_gpt import Muon  # noqa: E402
 
-SHAPES = [(32, 48), (32, 48), (32, 48), (48, 16), (16, 24)]  # 3 of one size: uneven over 2 ranks
+# stacked as 5 of (32, 48), tall ones transposed: shares 3+2 on 2 ranks, 2+2+1 on 3; one (16, 48) and
+# two (24, 24): fewer matrices than ranks, so some ranks send only padding
+SHAPES = [(32, 48), (48, 32), (32, 48), (32, 48), (48, 32), (48, 16), (24, 24), (24, 24)]
 STEPS = 3
 
 
@@ -22,10 +24,8 @@ def gradients(step, params):
     return [torch.randn(p.shape, generator=gen) for p in params]
 
 
-def main(out_path):
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # Muon reads RANK and WORLD_SIZE itself
-    if world_size > 1:
-        dist.init_process_group("gloo")
+def train():
+    """STEPS steps of Muon on SHAPES; in whatever world RANK and WORLD_SIZE describe (Muon reads them)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
     optimizer = Muon(params, lr=0.05, momentum=0.9)
@@ -33,8 +33,16 @@ def main(out_path):
         for p, g in zip(params, gradients(step, params)):
             p.grad = g
         optimizer.step()
+    return [p.detach() for p in params]
+
+
+def main(out_path):
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        dist.init_process_group("gloo")
+    params = train()
     if int(os.environ.get("RANK", 0)) == 0:
-        torch.save([p.detach() for p in params], out_path)
+        torch.save(params, out_path)
     if world_size > 1:
         dist.destroy_process_group()
 

@@ -1,4 +1,5 @@
-"""Newton-Schulz against a float64 re-implementation, and Muon in 2 processes against 1."""
+"""Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64), and
+Muon in 2 and 3 processes against 1."""
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import muon_worker
 import train_gpt
 from muon_worker import SHAPES, STEPS, gradients
 from train_gpt import Muon, zeropower_via_newtonschulz5
@@ -24,6 +26,18 @@ def newton_schulz_float64(G, steps):
     return X.T if G.shape[0] > G.shape[1] else X
 
 
+def newton_schulz_bf16(G, steps):
+    """The iteration one 2-D matrix at a time in bf16, op for op as Muon ran it before batching."""
+    tall = G.shape[0] > G.shape[1]
+    X = (G.T if tall else G).bfloat16()
+    X = X / (X.norm() + 1e-7)
+    for _ in range(steps):
+        A = X @ X.T
+        B = -4.7750 * A + 2.0315 * A @ A
+        X = 3.4445 * X + B @ X
+    return X.T if tall else X
+
+
 def relative_error(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -36,6 +50,7 @@ def test_newton_schulz_matches_float64_iteration(shape):
     assert out.shape == G.shape and out.dtype == torch.bfloat16
     # bf16 keeps ~3 significant digits; five iterations compound that to a few percent
     assert relative_error(out, newton_schulz_float64(G, 5)) < 0.05
+    assert relative_error(out, newton_schulz_bf16(G, 5)) < 1e-3  # the same bf16 operations
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64)], ids=["wide", "tall"])
@@ -58,46 +73,123 @@ def test_newton_schulz_ignores_the_scale_of_its_input():
         assert relative_error(zeropower_via_newtonschulz5(G * scale, 5), reference) < 0.05
 
 
+# --- Muon's batched step -----------------------------------------------------------------------
+
+# batches (3, 16, 40) (a tall matrix transposed into it) and (2, 24, 24); small, so inductor compiles fast
+MIXED = [(16, 40), (40, 16), (16, 40), (24, 24), (24, 24)]
+
+
+def aspect_scale(p):
+    return max(1, p.shape[0] / p.shape[1]) ** 0.5
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_batched_step_gives_each_matrix_its_own_iteration(compiled):
+    """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled alone."""
+    torch.manual_seed(3)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in MIXED]
+    for i, p in enumerate(params):
+        p.grad = torch.randn(p.shape) * 10.0 ** (i - 3)
+    # momentum 0: the update is the gradient itself; lr 1: the step is the scaled update
+    Muon(params, lr=1.0, momentum=0.0, compiled=compiled).step()
+    for p in params:
+        update = -p.detach() / aspect_scale(p)
+        assert relative_error(update, newton_schulz_float64(p.grad, 5)) < 0.05
+        if not compiled:  # inductor fuses the elementwise ops, rounding less often: only near float64
+            assert relative_error(update, newton_schulz_bf16(p.grad, 5)) < 1e-3
+
+
+def muon_float64(params, grads_per_step, schedule, nesterov):
+    """Muon's whole step in float64, one matrix at a time: momentum, look-ahead, iteration, scale, lr."""
+    params = [p.double() for p in params]
+    buffers = [torch.zeros_like(p) for p in params]
+    for grads, (lr, m) in zip(grads_per_step, schedule):
+        for p, buf, g in zip(params, buffers, grads):
+            buf.mul_(m).add_((1 - m) * g.double())
+            update = (1 - m) * g.double() + m * buf if nesterov else buf
+            p -= lr * aspect_scale(p) * newton_schulz_float64(update, 5)
+    return params
+
+
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_muon_step_matches_float64(compiled, nesterov):
+    torch.manual_seed(4)
+    start = [torch.randn(shape) for shape in MIXED]
+    grads_per_step = [[torch.randn(shape) for shape in MIXED] for _ in range(4)]
+    schedule = [(0.05, 0.85), (0.04, 0.9), (0.03, 0.95), (0.02, 0.95)]  # the training loop sets both each step
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    muon = Muon(params, lr=1.0, momentum=0.0, nesterov=nesterov, compiled=compiled)
+    for grads, (lr, m) in zip(grads_per_step, schedule):
+        for group in muon.param_groups:
+            group["lr"], group["momentum"] = lr, m
+        for p, g in zip(params, grads):
+            p.grad = g
+        muon.step()
+    reference = muon_float64(start, grads_per_step, schedule, nesterov)
+    for p, p0, ref in zip(params, start, reference):
+        assert relative_error(p.detach() - p0, ref - p0) < 0.05  # the steps taken, to bf16 accuracy
+    # the optimiser state is the momentum alone; the stacked and gather buffers stay outside checkpoints
+    state = muon.state_dict()["state"]
+    assert len(state) == len(MIXED) and all(set(s) == {"momentum_buffer"} for s in state.values())
+
+
 # --- Muon, distributed ------------------------------------------------------------------------
 
 WORKER = Path(__file__).with_name("muon_worker.py")
 
 
 def run_worker(out_path, nproc):
-    """The worker as one process, or as 2 under torchrun with gloo, the way the trainer runs."""
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    """The worker under torchrun with gloo, the way the trainer runs."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     result = subprocess.run([sys.executable, *launcher, str(WORKER), str(out_path)],
                             capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(out_path)
 
 
+@pytest.fixture(scope="module")
+def one_process():
+    """The worker's training in this process: world size 1, no process group."""
+    assert "WORLD_SIZE" not in os.environ
+    return muon_worker.train()
+
+
 def muon_reference(shapes, steps):
-    """Muon written plainly: one process, one matrix at a time, no chunks and no gathers."""
+    """Muon written plainly: one process, one matrix at a time, no batches and no gathers."""
     torch.manual_seed(0)
     params = [torch.randn(shape) for shape in shapes]
     buffers = [torch.zeros(shape) for shape in shapes]
     for step in range(steps):
         for i, (p, g) in enumerate(zip(params, gradients(step, params))):
             buffers[i] = 0.9 * buffers[i] + 0.1 * g
-            update = zeropower_via_newtonschulz5(0.1 * g + 0.9 * buffers[i], 5).float()
+            update = newton_schulz_bf16(0.1 * g + 0.9 * buffers[i], 5).float()
             p -= 0.05 * max(1, p.shape[0] / p.shape[1]) ** 0.5 * update
     return params
 
 
-def test_muon_two_processes_match_one(tmp_path):
-    one, two = run_worker(tmp_path / "one.pt", 1), run_worker(tmp_path / "two.pt", 2)
-    for a, b in zip(one, two):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    for a, ref in zip(one, muon_reference(SHAPES, STEPS)):
+def test_muon_one_process_matches_plain_muon(one_process):
+    for a, ref in zip(one_process, muon_reference(SHAPES, STEPS)):
         torch.testing.assert_close(a, ref, rtol=0, atol=2e-3)
 
 
-def test_muon_groups_by_size_and_reads_world_from_environment(monkeypatch):
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_muon_processes_match_one(tmp_path, one_process, nproc):
+    """Uneven shares and groups smaller than the world (see SHAPES): every matrix is still applied once."""
+    for a, b in zip(one_process, run_worker(tmp_path / "out.pt", nproc)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_muon_groups_by_shape_and_reads_world_from_environment(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
+    shapes = [(32, 48), (32, 48), (32, 48), (48, 16), (16, 24), (48, 32)]  # the tall (48, 32) joins (32, 48)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
     optimizer = Muon(params, lr=0.05, momentum=0.95)
     assert (optimizer.rank, optimizer.world_size) == (1, 4)
-    assert [len(g["params"]) for g in optimizer.param_groups] == [3, 1, 1]
+    assert [len(g["params"]) for g in optimizer.param_groups] == [4, 1, 1]
+    assert optimizer.param_groups[0]["params"][3] is params[5]
+    # each rank's share of a group, padded to the largest share, and room for every rank's share
+    assert [tuple(x.shape) for x in optimizer.stacked] == [(1, 32, 48), (1, 16, 48), (1, 16, 24)]
+    assert [tuple(x.shape) for x in optimizer.gathered] == [(4, 32, 48), (4, 16, 48), (4, 16, 24)]
     assert train_gpt.Muon is Muon

@@ -42,13 +42,14 @@ def test_adam_eps_is_one_flag_away():
     assert adam.defaults["eps"] == 1e-10
 
 
-def test_compiled_newton_schulz_compiles_once_per_shape_and_computes_the_same(monkeypatch):
-    """Muon's compiled iteration: a tall matrix and its wide twin share one graph; later steps reuse them."""
+def test_compiled_newton_schulz_compiles_once_per_stacked_shape_and_computes_the_same(monkeypatch):
+    """Muon's compiled iteration: tall matrices join their wide twins' batch; later steps, with new lr
+    and momentum, reuse the graphs."""
     counter = CompileCounter()  # counts the graphs dynamo compiles, runs them eagerly
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
     torch._dynamo.reset()
-    shapes = [(32, 32), (32, 32), (96, 32), (32, 96)]
+    shapes = [(32, 32), (96, 32), (32, 32), (32, 96), (32, 32), (96, 32)]  # batches (3, 32, 32), (3, 32, 96)
 
     def run(compiled):
         torch.manual_seed(0)
@@ -58,13 +59,27 @@ def test_compiled_newton_schulz_compiles_once_per_shape_and_computes_the_same(mo
             gen = torch.Generator().manual_seed(step)
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen)
+            for group in muon.param_groups:
+                group["lr"], group["momentum"] = 0.05 / (step + 1), 0.85 + 0.05 * step
             muon.step()
+            assert counter.frame_count == 2  # from the first step on: three steps, six matrices, two graphs
         return params
 
     compiled, plain = run(True), run(False)
-    assert counter.frame_count == 2  # (32, 32) and (32, 96): three steps, four matrices, two graphs
     for a, b in zip(compiled, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size, stacked", [(1, [(24, 768, 3072), (44, 768, 768)]),
+                                                 (8, [(3, 768, 3072), (6, 768, 768)])])
+def test_default_model_stacks_muon_matrices_in_two_batches(monkeypatch, world_size, stacked):
+    """The 68 matrices (q, k, v, proj of 11 attention blocks; fc and proj of 12 MLPs): two graphs per rank."""
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    args = parse_args([])
+    with torch.device("meta"):  # shapes only, no memory
+        model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.model_dim)
+    muon = Muon([p for p in model.blocks.parameters() if p.ndim == 2], lr=args.muon_lr, momentum=args.muon_momentum)
+    assert [tuple(x.shape) for x in muon.stacked] == stacked
 
 
 def test_no_inductor_option_is_changed_unless_asked(monkeypatch, markov_shards, tmp_path):
