@@ -11,8 +11,8 @@ val loss of all runs at the steps they share, and, with two or more finished run
 where p is a one-sided one-sample t-test that the mean final val loss is below the target.
 Logs that are unfinished, truncated or not logs at all are named on stderr and skipped.
 
-Only the standard library is needed (the t distribution is computed here, no SciPy);
-matplotlib is imported only for ``--plot``.
+The t-test is SciPy's ``ttest_1samp(values, target, alternative="less")``, as in the speedrun's
+record READMEs; SciPy is imported only for it. matplotlib is optional, imported only for ``--plot``.
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ from pathlib import Path
 TARGET = 3.28
 SEPARATOR = "=" * 100
 
-# The exact step lines of SPEC 9. Loss and step_avg are matched loosely (\S+) because a
-# diverged run prints "nan" and the first ten steps print "step_avg:nanms".
+# The trainer's step lines (records/README.md). Loss and step_avg are matched loosely (\S+)
+# because a diverged run prints "nan" and the first ten steps print "step_avg:nanms".
 VAL_LINE = re.compile(
     r"^step:(\d+)/(\d+) val_loss:(\S+) train_time:(\d+)ms step_avg:(\S+)ms$"
 )
 TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(\S+)ms$")
 PEAK_LINE = re.compile(r"^peak memory consumption: (\d+) MiB$")
+# When compiling, ", <s>s of it compiling (...)" and more follow; only the first figure is read.
+STARTUP_LINE = re.compile(r"^startup: (\d+(?:\.\d*)?)s from launch to the end of step 1\b")
 TORCH_LINE = re.compile(r"^Running PyTorch (\S+)", re.IGNORECASE)
 DEVICES_LINE = re.compile(r"^devices: (\d+) x (.+)$")
 # A GPU row of the nvidia-smi table, e.g.
@@ -57,6 +59,7 @@ class Run:
     train_time_ms: float = math.nan
     step_avg_ms: float = math.nan
     peak_mib: int | None = None
+    startup_s: float | None = None  # seconds from launch to the end of step 1, if logged
     torch_version: str = "?"
     devices: str = "?"
 
@@ -132,6 +135,9 @@ def parse_log(path: str | Path) -> Run:
         if m := PEAK_LINE.match(line):
             run.peak_mib = int(m.group(1))
             continue
+        if m := STARTUP_LINE.match(line):
+            run.startup_s = float(m.group(1))
+            continue
         val = VAL_LINE.match(line)
         m = val or TRAIN_LINE.match(line)
         if not m:
@@ -193,70 +199,7 @@ def collect_paths(args: list[str]) -> tuple[list[Path], list[tuple[str, str]]]:
     return paths, problems
 
 
-# ------------------------------------------------------------------- t distribution
-
-
-def _beta_continued_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularised incomplete beta function.
-
-    I_x(a, b) = x^a (1-x)^b / (a B(a, b)) * 1 / (1 + d1 / (1 + d2 / (1 + ...))) with
-        d_{2m}   =  m (b - m) x / ((a + 2m - 1)(a + 2m))
-        d_{2m+1} = -(a + m)(a + b + m) x / ((a + 2m)(a + 2m + 1)),
-    evaluated front to back with the modified Lentz method: keep the ratios C_j = f_j/f_{j-1}
-    of numerators and D_j of denominators, so no term is ever recomputed, and nudge a zero
-    denominator to a tiny number instead of dividing by it. Converges fast for x < (a+1)/(a+b+2).
-    """
-    tiny, eps = 1e-300, 1e-15
-    f = c = 1.0  # the leading "1 +" of the fraction
-    d = 0.0
-    for j in range(1, 10_000):
-        m = j // 2
-        if j % 2:  # odd term d_{2m+1}
-            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        else:  # even term d_{2m}
-            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        d = 1.0 + num * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + num / c
-        c = c if abs(c) > tiny else tiny
-        f *= c * d
-        if abs(c * d - 1.0) < eps:
-            break
-    return 1.0 / f
-
-
-def incomplete_beta(a: float, b: float, x: float) -> float:
-    """Regularised incomplete beta I_x(a, b) for a, b > 0 and 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = (
-        math.lgamma(a + b)
-        - math.lgamma(a)
-        - math.lgamma(b)
-        + a * math.log(x)
-        + b * math.log1p(-x)
-    )
-    # The fraction converges quickly only on one side of the mean of the beta distribution;
-    # on the other side use the symmetry I_x(a, b) = 1 - I_{1-x}(b, a).
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with df degrees of freedom.
-
-    For T ~ t_df, P(|T| > |t|) = I_{df/(df+t^2)}(df/2, 1/2); half of it is the far tail.
-    Computing the tail directly keeps small p-values accurate (no 1 - (1 - p)).
-    """
-    if math.isnan(t):
-        return math.nan
-    if math.isinf(t):
-        return 0.0 if t < 0 else 1.0
-    tail = 0.5 * incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
-    return tail if t < 0 else 1.0 - tail
+# ---------------------------------------------------------------------------- t-test
 
 
 def t_test_less(
@@ -264,20 +207,26 @@ def t_test_less(
 ) -> tuple[float, float, float, float]:
     """One-sided one-sample t-test that the mean of `values` is below `target`.
 
-    Returns (mean, sample std with n-1, t, p). With std 0 the test is degenerate:
-    t is -inf/+inf/nan and p is 0 if the mean is below the target, else 1.
+    Returns (mean, sample std with n-1, t, p). t and p are SciPy's
+    ttest_1samp(values, target, alternative="less"), the test the speedrun's record READMEs run.
+
+    Equal values (std 0) make the test degenerate; SciPy would warn about precision loss and
+    answer from rounding noise, so this case is decided here: t is -inf/+inf/nan and p is 0 if
+    the mean is below the target, else 1.
     """
     n = len(values)
     if n < 2:
         raise ValueError("a t-test needs at least two values")
+    if len(set(values)) == 1:
+        diff = values[0] - target
+        t = math.copysign(math.inf, diff) if diff else math.nan
+        return values[0], 0.0, t, 0.0 if diff < 0 else 1.0
     mean = math.fsum(values) / n
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-    if std == 0.0:
-        diff = mean - target
-        t = math.copysign(math.inf, diff) if diff else math.nan
-        return mean, std, t, 0.0 if mean < target else 1.0
-    t = (mean - target) / (std / math.sqrt(n))
-    return mean, std, t, t_cdf(t, n - 1)
+    from scipy import stats  # here, not at the top: parsing logs (records/ab.py) needs no SciPy
+
+    result = stats.ttest_1samp(values, target, alternative="less")
+    return mean, std, float(result.statistic), float(result.pvalue)
 
 
 def format_p(p: float) -> str:

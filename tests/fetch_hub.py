@@ -1,5 +1,5 @@
 """A small stand-in for the Hugging Face hub's file-download protocol, for offline tests of
-data/cached_fineweb10B.py (used by tests/test_fetch.py and tests/fetch_bench.py).
+data/cached_fineweb10B.py (used by tests/test_fetch.py and data/fetch_bench.py).
 
 What huggingface_hub's hf_hub_download does for a dataset file (checked against 2.4.0):
 1. HEAD {endpoint}/datasets/{repo}/resolve/{revision}/{filename}, redirects not followed

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "compare.py"
@@ -61,8 +62,9 @@ def make_log(
     gpus=8,
     peak=31563,
     torch_version="2.11.0+cu128",
+    startup=None,
 ):
-    """Write a log in the trainer's format (SPEC 9) and return its path.
+    """Write a log in the trainer's format (records/README.md) and return its path.
 
     `val` maps step -> val loss; train lines are written for every step in between.
     `public=True` writes the public record logs' header: no "devices:" line and no
@@ -104,6 +106,8 @@ def make_log(
             )
         if step < last:
             lines.append(f"step:{step + 1}/{planned} {times(step + 1)}")
+        if step == 0 and startup is not None:
+            lines.append(f"startup: {startup}")
     if finished and last == planned and peak is not None:
         lines.append(f"peak memory consumption: {peak} MiB")
     path = Path(path)
@@ -142,6 +146,24 @@ def test_parse_trainer_log_reads_steps_and_header(tmp_path):
     assert run.peak_mib == 31563
     assert run.torch_version == "2.11.0+cu128"
     assert run.devices == "8 x NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize(
+    "startup,seconds",
+    [
+        (None, None),  # public record logs have no startup line
+        ("4.2s from launch to the end of step 1", 4.2),
+        (
+            "131.7s from launch to the end of step 1, 118.0s of it compiling "
+            "(cache hits/misses: FX graph 0/12, AOT 0/3); compile cache saved",
+            131.7,
+        ),
+    ],
+)
+def test_startup_seconds(tmp_path, startup, seconds):
+    run = compare.parse_log(make_log(tmp_path / "a.txt", curve(3.3), 40, startup=startup))
+    assert run.startup_s == seconds
+    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]  # the line is not a step line
 
 
 def test_devices_line_wins_over_nvidia_smi(tmp_path):
@@ -226,7 +248,6 @@ def test_unusable_logs_raise_with_a_reason(tmp_path):
     ],
 )
 def test_t_test_matches_scipy(values, target):
-    stats = pytest.importorskip("scipy.stats")
     mean, std, t, p = compare.t_test_less(values, target)
     ref = stats.ttest_1samp(values, target, alternative="less")
     assert mean == pytest.approx(sum(values) / len(values), rel=1e-12)
@@ -235,28 +256,37 @@ def test_t_test_matches_scipy(values, target):
     assert p == pytest.approx(ref.pvalue, rel=1e-8, abs=1e-300)
 
 
+def pair_with_t(t, target=3.28):
+    """Two values with statistic t against `target`: for n = 2, t = (mean - target) / half the gap."""
+    half_gap = 0.001
+    centre = target + t * half_gap
+    return [centre - half_gap, centre + half_gap]
+
+
+def triple_with_t(t, target=3.28):
+    """Three values with statistic t: c-h, c, c+h have std h, so t = (c - target) sqrt(3) / h."""
+    h = 0.001
+    centre = target + t * h / math.sqrt(3)
+    return [centre - h, centre, centre + h]
+
+
 @pytest.mark.parametrize("t", [-30.0, -3.0, -1.0, -0.2, 0.0, 0.5, 2.0, 12.0])
-def test_t_cdf_closed_forms_for_one_and_two_degrees_of_freedom(t):
-    # df=1 is the Cauchy distribution; df=2 has an algebraic CDF.
-    assert compare.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, rel=1e-12)
-    assert compare.t_cdf(t, 2) == pytest.approx(
-        0.5 + t / (2 * math.sqrt(2 + t * t)), rel=1e-12
-    )
+def test_t_test_closed_forms_for_one_and_two_degrees_of_freedom(t):
+    # n=2 gives df=1, the Cauchy distribution; n=3 gives df=2, whose CDF is algebraic.
+    _, _, t1, p1 = compare.t_test_less(pair_with_t(t))
+    assert t1 == pytest.approx(t, abs=1e-6)
+    assert p1 == pytest.approx(0.5 + math.atan(t1) / math.pi, rel=1e-12, abs=1e-15)
+    _, _, t2, p2 = compare.t_test_less(triple_with_t(t))
+    assert t2 == pytest.approx(t, abs=1e-6)
+    assert p2 == pytest.approx(0.5 + t2 / (2 * math.sqrt(2 + t2 * t2)), rel=1e-12, abs=1e-15)
 
 
-@pytest.mark.parametrize("t", [-4.0, -2.326, -1.0, 0.3, 1.645])
-def test_t_cdf_approaches_the_normal_for_large_df(t):
-    normal = 0.5 * (1 + math.erf(t / math.sqrt(2)))
-    assert compare.t_cdf(t, 1e6) == pytest.approx(normal, rel=1e-4)
-
-
-def test_t_cdf_tiny_tail_keeps_relative_precision():
-    # df=1: P(T <= -1e6) = atan-based tail, about 3.18e-7; 1 - (1 - p) would lose digits.
-    t = -1e6
-    exact = (
-        math.atan(1 / -t) / math.pi
-    )  # 1/2 + atan(t)/pi, rewritten without cancellation
-    assert compare.t_cdf(t, 1) == pytest.approx(exact, rel=1e-10)
+def test_t_test_tiny_tail_keeps_relative_precision():
+    # df=1 at t near -1e6: p is about 3.18e-7; 1 - (1 - p) would lose digits.
+    _, _, t, p = compare.t_test_less([-1 - 1e-6, -1 + 1e-6], 0.0)
+    assert t == pytest.approx(-1e6, rel=1e-6)
+    exact = math.atan(1 / -t) / math.pi  # 1/2 + atan(t)/pi, rewritten without cancellation
+    assert p == pytest.approx(exact, rel=1e-10)
 
 
 def test_t_test_with_zero_std_does_not_crash():
@@ -421,6 +451,7 @@ def test_smoke_run_logs(smoke_logs, capsys):
         run = compare.parse_log(log)  # raises if unfinished
         assert run.steps_done == run.planned and math.isfinite(run.final_loss)
         assert run.torch_version != "?" and run.devices != "?"
+        assert run.startup_s is not None and run.startup_s > 0
     code, out, _ = run_main(capsys, *smoke_logs)
     assert code == 0
     lines = out.strip().splitlines()

@@ -1,7 +1,7 @@
 """Throughput of data/cached_fineweb10B.py against the local stand-in hub (not a test).
 
-    python tests/fetch_bench.py                      # one 100M-token shard (~200 MB), N=0 (val only)
-    python tests/fetch_bench.py --train 4 --workers 4
+    python data/fetch_bench.py                      # one 100M-token shard (~200 MB), N=0 (val only)
+    python data/fetch_bench.py --train 4 --workers 4
 
 Files go to --workdir (default: a folder under the system temp dir), never into the repository.
 The number measures the client side (huggingface_hub + the script's sha256 check and rename) over
@@ -20,10 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The stand-in hub lives with the tests, which use it too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 fetch_hub = importlib.import_module("fetch_hub")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "data" / "cached_fineweb10B.py"
+SCRIPT = Path(__file__).resolve().parent / "cached_fineweb10B.py"
 
 
 def main() -> None:

@@ -1,0 +1,206 @@
+"""A/B timing: is B really faster than A? Run both alternately and compare their ms per step.
+
+    python records/ab.py A B [--runs K] [--nproc N] [--out DIR] [-- FLAGS FOR BOTH...]
+
+A and B are each a trainer script, optionally followed by its own flags, quoted as one argument
+(split as a shell would): two copies of the script, or one script with two flag sets. Flags after
+"--" go to both. For example, does the fused head loss make steps faster?
+
+    python records/ab.py train_gpt.py "train_gpt.py --fused_head_loss true" --runs 3 \\
+        -- --num_iterations 200 --val_loss_every 0
+
+The runs alternate A1 B1 A2 B2 ... so that a machine that warms up or slows down over time
+weighs on both sides alike. Every run uses all visible GPUs (torchrun --standalone, one process
+per GPU); without a GPU it is one plain process on the CPU; --nproc overrides both. Each run gets
+a fresh --log_dir under the output folder (default logs/ab-<timestamp>/), where its log and its
+console output (console.log) stay.
+
+Printed: one row per run (ms/step, peak memory, seconds from launch to the end of step 1, final
+val loss), then the ratio B/A of ms/step: its mean over the pairs (A1,B1), (A2,B2), ... and the
+smallest and largest pair. When that range includes 1 the difference is "within noise".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # records/ is not a package
+import compare  # noqa: E402  (the log parser)
+
+TAIL_LINES = 20  # of a failed run's output
+
+
+class RunFailed(Exception):
+    """A run that crashed or left no usable log; the message says which and why."""
+
+
+def visible_gpus() -> int:
+    import torch  # imported only to count GPUs; --nproc avoids it
+
+    return torch.cuda.device_count()
+
+
+def command(side: list[str], common: list[str], nproc: int, log_dir: Path) -> list[str]:
+    """The command line of one run. --log_dir comes last so that it wins over any other."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        # what the torchrun command runs, with this interpreter
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, *side, *common, "--log_dir", str(log_dir)]
+
+
+def run_once(label: str, cmd: list[str], run_dir: Path) -> compare.Run:
+    """Run one trainer command, its output going to run_dir/console.log; return its parsed log."""
+    run_dir.mkdir(parents=True)
+    console = run_dir / "console.log"
+    print(f"{label}: {shlex.join(cmd)}", flush=True)
+    start = time.perf_counter()
+    with open(console, "w") as out:
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    print(f"{label}: finished in {time.perf_counter() - start:.1f} s", flush=True)
+    if code != 0:
+        lines = console.read_text(errors="replace").splitlines()[-TAIL_LINES:]
+        tail = "\n".join("    " + line for line in lines)
+        raise RunFailed(
+            f"{label} failed with exit code {code}: {shlex.join(cmd)}\n"
+            f"  last lines of its output ({console}):\n{tail}"
+        )
+    logs = sorted(run_dir.glob("*.txt"))
+    if len(logs) != 1:
+        raise RunFailed(
+            f"{label} wrote {len(logs)} logs in {run_dir}, expected one: {shlex.join(cmd)}"
+        )
+    try:
+        return compare.parse_log(logs[0])
+    except compare.LogError as e:
+        raise RunFailed(f"{label}'s log {logs[0]}: {e}") from None
+
+
+def verdict(ratios: list[float]) -> str:
+    """'within noise' when the pairs disagree about which side is faster, else who won."""
+    if len(ratios) < 2:
+        return "no spread"
+    if min(ratios) <= 1.0 <= max(ratios):
+        return "within noise"
+    return "B faster" if max(ratios) < 1.0 else "B slower"
+
+
+def ratio_line(a_ms: list[float], b_ms: list[float]) -> str:
+    """B/A of ms/step for each pair of runs, summarised as mean, min..max and the verdict."""
+    ratios = [b / a if a > 0 else math.nan for a, b in zip(a_ms, b_ms)]
+    if not all(math.isfinite(r) for r in ratios):
+        return "B/A step_avg: n/a (a run has no timed steps; timing starts after step 10)"
+    mean = math.fsum(ratios) / len(ratios)
+    if len(ratios) == 1:
+        return (
+            f"B/A step_avg: {mean:.4f} from one pair: "
+            "no spread to judge the noise by (use --runs 2 or more)"
+        )
+    return (
+        f"B/A step_avg: mean {mean:.4f} over {len(ratios)} pairs, "
+        f"{min(ratios):.4f}..{max(ratios):.4f}: {verdict(ratios)}"
+    )
+
+
+def runs_table(labels: list[str], runs: list[compare.Run]) -> str:
+    def num(x, fmt):
+        return "?" if x is None or math.isnan(x) else format(x, fmt)
+
+    header = ["run", "step_avg (ms)", "peak mem (MiB)", "launch to step 1 (s)", "val loss"]
+    rows = [
+        [
+            label,
+            num(r.step_avg_ms, ".2f"),
+            num(r.peak_mib, "d"),
+            num(r.startup_s, ".1f"),
+            num(r.final_loss, ".4f"),
+        ]
+        for label, r in zip(labels, runs)
+    ]
+    return compare.format_table(header, rows, right={1, 2, 3, 4})
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # Everything after the first "--" is for the trainer, so argparse never sees it.
+    common = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, common = argv[:split], argv[split + 1 :]
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s A B [--runs K] [--nproc N] [--out DIR] [-- FLAGS FOR BOTH...]",
+        description="Time two trainer commands A and B, run alternately; print B/A of ms/step.\n"
+        'Flags after "--" go to both.',
+        epilog='example:\n  %(prog)s train_gpt.py "train_gpt.py --fused_qkv true" '
+        "-- --num_iterations 100",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the example on one line
+    )
+    parser.add_argument(
+        "a", metavar="A", help='script and its own flags, one argument: "train_gpt.py --x 1"'
+    )
+    parser.add_argument("b", metavar="B", help="the same for B")
+    parser.add_argument(
+        "--runs", metavar="K", type=int, default=2, help="runs of each side (default 2)"
+    )
+    parser.add_argument(
+        "--nproc", metavar="N", type=int, help="processes per run (default: GPUs seen, else 1)"
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", type=Path, help="output folder (default logs/ab-<timestamp>)"
+    )
+    args = parser.parse_args(argv)
+    args.common = common
+    if args.runs < 1 or (args.nproc is not None and args.nproc < 1):
+        parser.error("--runs and --nproc must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    sides = {}
+    for name, spec in (("A", args.a), ("B", args.b)):
+        side = shlex.split(spec)
+        if not side or not Path(side[0]).is_file():
+            print(f"error: {name} must begin with an existing script: {spec!r}", file=sys.stderr)
+            return 2
+        sides[name] = side
+    out = args.out or Path("logs") / time.strftime("ab-%Y%m%d-%H%M%S")
+    if out.exists() and any(out.iterdir()):
+        print(f"error: {out} is not empty; give a new --out folder", file=sys.stderr)
+        return 2
+    nproc = args.nproc or max(1, visible_gpus())
+
+    labels, runs = [], []
+    print(f"{args.runs} run(s) each of A and B, alternating, {nproc} process(es) per run")
+    print(f"logs in {out}")
+    try:
+        for i in range(1, args.runs + 1):
+            for name, side in sides.items():
+                label = f"{name}{i}"
+                cmd = command(side, args.common, nproc, out / label)
+                runs.append(run_once(label, cmd, out / label))
+                labels.append(label)
+    except RunFailed as e:
+        print(f"error: {e}\nlogs kept in {out}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; logs kept in {out}", file=sys.stderr)
+        return 130
+
+    print()
+    print(runs_table(labels, runs))
+    if len({r.planned for r in runs}) > 1:
+        print("note: the runs planned different step counts, so their losses are not comparable")
+    print()
+    step_avg = [r.step_avg_ms for r in runs]
+    print(ratio_line(step_avg[0::2], step_avg[1::2]))  # runs are A1 B1 A2 B2 ...
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

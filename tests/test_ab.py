@@ -1,0 +1,219 @@
+"""Tests for records/ab.py: the B/A verdict, alternation, the printed numbers, failures, and one
+real A/B of the smoke preset."""
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "records" / "ab.py"
+
+_spec = importlib.util.spec_from_file_location("records_ab", SCRIPT)
+ab = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = ab
+_spec.loader.exec_module(ab)
+
+# A stand-in trainer that writes a log in the trainer's format in a few milliseconds. Each run
+# appends its --tag to the --order file; the run's number (lines already there) shifts its
+# ms/step, startup and peak memory, so that no two runs print the same figures.
+FAKE_TRAINER = """\
+import argparse, sys, uuid
+from pathlib import Path
+
+p = argparse.ArgumentParser()
+for name in ("--tag", "--order", "--log_dir", "--fail"):
+    p.add_argument(name, default="")
+p.add_argument("--ms", type=float, default=100.0)
+p.add_argument("--num_iterations", type=int, default=20)
+a = p.parse_args()
+order = Path(a.order)
+k = len(order.read_text().split()) if order.exists() else 0
+with open(order, "a") as f:
+    f.write(a.tag + "\\n")
+print("loading data")
+if a.tag == a.fail:
+    sys.exit("boom: out of memory")
+n, ms = a.num_iterations, a.ms + 0.37 * k
+lines = ["fake source", "=" * 100, "devices: 1 x cpu", "=" * 100]
+for step in range(n + 1):
+    timed = max(step - 10, 0)
+    times = f"train_time:{timed * ms:.0f}ms step_avg:{ms if timed else float('nan'):.2f}ms"
+    if step in (0, n):
+        lines.append(f"step:{step}/{n} val_loss:{3.3 + 0.001 * k:.4f} {times}")
+    if step < n:
+        timed = max(step + 1 - 10, 0)
+        avg = ms if timed else float("nan")
+        lines.append(f"step:{step + 1}/{n} train_time:{timed * ms:.0f}ms step_avg:{avg:.2f}ms")
+    if step == 0:
+        lines.append(f"startup: {2.5 + k:.1f}s from launch to the end of step 1")
+lines.append(f"peak memory consumption: {1000 + k} MiB")
+Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+(Path(a.log_dir) / f"{uuid.uuid4()}.txt").write_text("\\n".join(lines) + "\\n")
+"""
+
+ROW = re.compile(r"^([AB]\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$")
+
+
+def figures_from_log(log_dir):
+    """(step_avg, peak MiB, startup s, final val loss) read from a run's log, independently of
+    compare.py: the last step's val line, the startup line and the peak memory line."""
+    (log,) = Path(log_dir).glob("*.txt")
+    body = log.read_text().split("=" * 100 + "\n", 1)[1]  # skip the source
+    last_val = r"^step:(\d+)/\1 val_loss:(\S+) train_time:\d+ms step_avg:(\S+)ms$"
+    final = re.findall(last_val, body, re.M)
+    peak = re.search(r"^peak memory consumption: (\d+) MiB$", body, re.M)
+    startup = re.search(r"^startup: ([\d.]+)s from launch", body, re.M)
+    (_, loss, avg) = final[-1]
+    return float(avg), int(peak[1]), float(startup[1]), float(loss)
+
+
+def rows_of(out):
+    return {m[1]: m.groups()[1:] for line in out.splitlines() if (m := ROW.match(line))}
+
+
+def pair_ratios(out_dir, runs):
+    """B/A of step_avg for each pair of runs, and their mean, computed from the logs."""
+    ratios = [
+        figures_from_log(out_dir / f"B{i}")[0] / figures_from_log(out_dir / f"A{i}")[0]
+        for i in range(1, runs + 1)
+    ]
+    mean = sum(ratios) / len(ratios)
+    return ratios, mean
+
+
+@pytest.fixture
+def fake(tmp_path):
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    return script
+
+
+# ------------------------------------------------------------------------ the verdict
+
+
+@pytest.mark.parametrize(
+    "ratios,expected",
+    [
+        ([0.98, 0.99, 0.985], "B faster"),
+        ([1.01, 1.03], "B slower"),
+        ([0.99, 1.01], "within noise"),
+        ([1.0, 0.97], "within noise"),  # a pair with no difference at all
+        ([0.97], "no spread"),
+    ],
+)
+def test_verdict(ratios, expected):
+    assert ab.verdict(ratios) == expected
+
+
+def test_ratio_line():
+    assert (
+        ab.ratio_line([100.0, 200.0], [98.0, 198.0])
+        == "B/A step_avg: mean 0.9850 over 2 pairs, 0.9800..0.9900: B faster"
+    )
+    assert ab.ratio_line([100.0, 100.0], [99.0, 102.0]).endswith("0.9900..1.0200: within noise")
+    one = ab.ratio_line([100.0], [103.0])
+    assert one.startswith("B/A step_avg: 1.0300 from one pair") and "no spread" in one
+    assert "n/a" in ab.ratio_line([math.nan, 100.0], [100.0, 100.0])  # runs of 10 steps or fewer
+
+
+def test_command_lines(tmp_path):
+    side, common = ["train_gpt.py", "--fused_qkv", "true"], ["--num_iterations", "60"]
+    one = ab.command(side, common, 1, tmp_path / "A1")
+    assert one == [sys.executable, *side, *common, "--log_dir", str(tmp_path / "A1")]
+    eight = ab.command(side, common, 8, tmp_path / "B1")
+    assert eight[:6] == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+        "train_gpt.py",
+    ]
+
+
+# ------------------------------------------------------------------ with a fake trainer
+
+
+def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ab, "visible_gpus", lambda: 0)  # no GPU: one plain process per run
+    order, out = tmp_path / "order.txt", tmp_path / "out"
+    code = ab.main(
+        [f"{fake} --tag A", f"{fake} --tag B --ms 90", "--runs", "3", "--out", str(out),
+         "--", "--order", str(order), "--num_iterations", "14"]
+    )
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert order.read_text().split() == ["A", "B"] * 3
+    labels = ["A1", "B1", "A2", "B2", "A3", "B3"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(labels)  # one fresh log_dir each
+
+    rows = rows_of(stdout)
+    assert list(rows) == labels
+    for label in labels:
+        avg, peak, startup, loss = figures_from_log(out / label)
+        assert rows[label] == (f"{avg:.2f}", str(peak), f"{startup:.1f}", f"{loss:.4f}")
+        assert (out / label / "console.log").read_text() == "loading data\n"
+
+    ratios, mean = pair_ratios(out, 3)
+    assert all(r < 1 for r in ratios)  # 90 + small against 100 + small
+    last = stdout.strip().splitlines()[-1]
+    assert last == (
+        f"B/A step_avg: mean {mean:.4f} over 3 pairs, "
+        f"{min(ratios):.4f}..{max(ratios):.4f}: B faster"
+    )
+
+
+def test_a_failing_run_stops_with_a_clear_error(fake, tmp_path):
+    order, out = tmp_path / "order.txt", tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), f"{fake} --tag A", f"{fake} --tag B --fail B",
+         "--nproc", "1", "--out", str(out), "--", "--order", str(order)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 1
+    assert order.read_text().split() == ["A", "B"]  # nothing runs after the failure
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("error: B1 failed with exit code 1: ")
+    assert f"{fake} --tag B --fail B --order {order} --log_dir {out / 'B1'}" in first
+    assert "boom: out of memory" in proc.stderr and "loading data" in proc.stderr
+    assert f"logs kept in {out}" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(list((out / "A1").glob("*.txt"))) == 1  # the finished run's log stays
+
+
+def test_bad_arguments_are_errors_before_any_run(fake, tmp_path, capsys):
+    assert ab.main(["missing.py", str(fake), "--nproc", "1"]) == 2
+    assert "A must begin with an existing script" in capsys.readouterr().err
+    used = tmp_path / "used"
+    (used / "A1").mkdir(parents=True)
+    assert ab.main([str(fake), str(fake), "--nproc", "1", "--out", str(used)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- a real smoke A/B
+
+
+def test_real_smoke_ab(tmp_path):
+    """One run each of the trainer's smoke preset, shrunk to 12 steps (2 of them timed)."""
+    out = tmp_path / "out"
+    small = ["--preset", "smoke", "--num_iterations", "12", "--val_loss_every", "0",
+             "--num_layers", "6", "--model_dim", "64", "--batch_size", "256",
+             "--max_device_batch_size", "256", "--val_tokens", "256"]
+    # one thread: on a shared CPU, more threads than free cores make a run many times slower
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "train_gpt.py", "train_gpt.py --fused_qkv true",
+         "--runs", "1", "--nproc", "1", "--out", str(out), "--", *small],
+        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = rows_of(proc.stdout)
+    assert list(rows) == ["A1", "B1"]
+    for label in rows:
+        avg, peak, startup, loss = figures_from_log(out / label)
+        assert rows[label] == (f"{avg:.2f}", str(peak), f"{startup:.1f}", f"{loss:.4f}")
+        assert math.isfinite(avg) and startup > 0
+    (ratio,), _ = pair_ratios(out, 1)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"B/A step_avg: {ratio:.4f} from one pair")
