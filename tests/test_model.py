@@ -67,3 +67,29 @@ def test_cpu_linear_rounds_like_a_bf16_matrix_product():
     assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
     torch.testing.assert_close(grads[0], ref_grads[0], rtol=8e-3, atol=1e-5)
     torch.testing.assert_close(grads[1], ref_grads[1].float(), rtol=8e-3, atol=1e-5)
+
+
+def test_regional_compile_traces_four_block_forms_and_the_head(monkeypatch):
+    import functools
+
+    from torch._dynamo.testing import CompileCounter
+
+    import train_gpt
+
+    counter = CompileCounter()  # counts the graphs Dynamo hands to the backend, then runs them eagerly
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    # 8 layers: blocks 0-2 and 5-6 with value embeddings, 3-4 without, 7 without attention; block 0's input
+    # is x0 itself, which Dynamo traces as a form of its own
+    model = GPT(1024, 8, 2, 64, bf16_embeds=False)
+    for p in model.parameters():  # the zero-initialised projections would hide a skipped block
+        torch.nn.init.normal_(p, std=0.05)
+    tokens = torch.randint(0, 1024, (257,))
+    inputs, targets, window = tokens[:-1], tokens[1:], torch.tensor(2, dtype=torch.int32)
+    plain = model(inputs, targets, window)
+    regional = train_gpt.compile_regions(model)
+    for _ in range(2):  # the second call reuses every graph
+        loss = regional(inputs, targets, window)
+    assert counter.frame_count == 5  # four block forms and the head, not one graph per block
+    torch.testing.assert_close(loss, plain)

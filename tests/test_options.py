@@ -41,7 +41,8 @@ BAD = {
     "profile": ["-1"],
 }
 # booleans: no value both parses and fails; parse_bool refuses anything but true/false words (exit code 2)
-NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "fused_head_loss", "fused_qkv"}
+NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "regional_compile",
+                "fused_head_loss", "fused_qkv"}
 
 # edge values that must pass, so that the checks are not too strict
 GOOD = {
