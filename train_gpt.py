@@ -442,40 +442,45 @@ class GPT(nn.Module):
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
 
 
-def block_pairs(inputs, window_blocks):
-    """Block-level facts (SPEC 6). Returns the token document ids and two (q-block, kv-block) boolean
-    matrices: `partial` pairs may contain an allowed token pair, `full` pairs contain only allowed ones."""
-    docs = (inputs == EOT).cumsum(0)
-    first, last = docs[0::BLOCK_SIZE], docs[BLOCK_SIZE - 1::BLOCK_SIZE]  # doc range of each block
-    idx = torch.arange(len(first), device=inputs.device)
-    q, kv = idx[:, None], idx[None, :]
-    partial = (q >= kv) & (q - kv < window_blocks) & (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None])
-    one_doc = first == last
-    full = partial & (q > kv) & one_doc[:, None] & one_doc[None, :] & (first[:, None] == first[None, :])
-    return docs, partial, full
+def listed_rows(first, last, window_blocks):
+    """Per q-block (row), the kv blocks to visit, by arithmetic on each block's first and last doc id (both
+    nondecreasing): counts and index lists of the partial-not-full and of the full blocks. Documents are contiguous
+    and the window is a band, so row q's partial blocks are one run [start, q]; if q lies in one document, its full
+    blocks are the run [full_start, q), the others [start, full_start) and q. Entries past a row's count repeat q."""
+    q = torch.arange(len(first), device=first.device)[:, None]
+    start = torch.maximum(torch.searchsorted(last, first)[:, None], q - window_blocks + 1)  # reaches q's first doc
+    full_start = torch.maximum(torch.searchsorted(first, first)[:, None], start)  # starts in q's doc
+    full_start = torch.where((first == last)[:, None], full_start, q + 1)
+    full_count = (q - full_start).clamp(min=0)
+    position = q.T  # place in a row's list
+    partial = torch.where(position < full_start - start, start + position, q)
+    full = torch.where(position < full_count, full_start + position, q)
+    partial_count = (q + 1 - start).clamp(min=0) - full_count
+    return [t.to(torch.int32)[None, None].contiguous() for t in (partial_count[:, 0], partial, full_count[:, 0], full)]
 
 
 def build_block_mask(inputs, window_blocks):
-    docs, partial, full = block_pairs(inputs, window_blocks)
+    """The FlexAttention mask, built without a sort: compiled, one can take forever (PyTorch issues 182060, 138514)."""
+    docs = (inputs == EOT).cumsum(0)
+    first, last = docs[0::BLOCK_SIZE].contiguous(), docs[BLOCK_SIZE - 1::BLOCK_SIZE].contiguous()
+    kv_lists, n = listed_rows(first, last, window_blocks), len(first)
+    # the q-side lists (backward pass) are the rows of the mirror image, blocks reversed and doc ids negated: its
+    # row r is our column n - 1 - r. Given to the constructor, as from_kv_blocks would derive them with a sort
+    mirrored = listed_rows(-last.flip(0), -first.flip(0), window_blocks)
+    q_lists = [t.flip(-1) if t.dim() == 3 else n - 1 - t.flip(-2) for t in mirrored]  # counts, index lists
 
     def document_causal(b, h, q_idx, kv_idx):  # the per-token test, needed in partial blocks only
         return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
 
-    def listed(pairs):  # per q-block: how many kv blocks, and their indices first
-        counts = pairs.sum(dim=-1, dtype=torch.int32)
-        indices = torch.argsort(pairs, dim=-1, descending=True, stable=True).to(torch.int32)
-        return counts[None, None].contiguous(), indices[None, None].contiguous()
-
-    return BlockMask.from_kv_blocks(*listed(partial & ~full), *listed(full),
-                                    BLOCK_SIZE=BLOCK_SIZE, mask_mod=document_causal)
+    return BlockMask((len(inputs),) * 2, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE,) * 2, mask_mod=document_causal)
 
 
 def build_dense_mask(inputs, window_blocks):
-    """The block mask as a dense (T, T) boolean matrix, for attention on CPU."""
-    docs, partial, _ = block_pairs(inputs, window_blocks)
+    """The same mask as a dense (T, T) boolean matrix, token by token, for attention on CPU."""
+    docs = (inputs == EOT).cumsum(0)
     pos = torch.arange(len(inputs), device=inputs.device)
-    in_blocks = partial.repeat_interleave(BLOCK_SIZE, 0).repeat_interleave(BLOCK_SIZE, 1)
-    return in_blocks & (pos[:, None] >= pos[None, :]) & (docs[:, None] == docs[None, :])
+    q, k = pos[:, None], pos[None, :]
+    return (k <= q) & (k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks) & (docs[:, None] == docs[None, :])
 
 
 # -----------------------------------------------------------------------------

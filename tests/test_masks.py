@@ -1,4 +1,8 @@
-"""The block mask (FlexAttention) and the dense CPU mask against a mask built token by token."""
+"""The attention masks against masks computed token by token: the FlexAttention block lists (kv side and q side,
+partial and full) at many lengths, layouts and windows, the dense CPU mask, and the compiled mask, which must hold
+no sort."""
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,19 +11,22 @@ from torch.nn.attention.flex_attention import flex_attention
 from train_gpt import BLOCK_SIZE, EOT, build_block_mask, build_dense_mask
 
 SEQ = 4 * BLOCK_SIZE
+WINDOWS = range(1, 15)  # 1 to 14 blocks, the trainer's schedule
+SORTS = {"sort", "argsort", "msort", "topk", "kthvalue", "median", "nanmedian", "mode", "unique", "unique_consecutive",
+         "_unique", "_unique2", "unique_dim"}
 
 
 def reference_mask(tokens, window_blocks):
-    """SPEC 6, literally: q sees k iff k <= q, same document, and fewer than window_blocks blocks apart."""
+    """Literally: q sees k iff k <= q, same document, and fewer than window_blocks blocks apart."""
     docs, doc = [], 0
     for t in tokens.tolist():
         doc += t == EOT
         docs.append(doc)
-    n = len(docs)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for q in range(n):
-        for k in range(q + 1):
-            mask[q, k] = docs[k] == docs[q] and q // BLOCK_SIZE - k // BLOCK_SIZE < window_blocks
+    docs = torch.tensor(docs)
+    mask = torch.zeros(len(docs), len(docs), dtype=torch.bool)
+    for q in range(len(docs)):
+        k = torch.arange(q + 1)
+        mask[q, :q + 1] = (docs[k] == docs[q]) & (q // BLOCK_SIZE - k // BLOCK_SIZE < window_blocks)
     return mask
 
 
@@ -77,8 +84,9 @@ def test_window_change_keeps_the_same_mask_shapes():
     # the window lives in the block lists' values, not their shapes: no recompilation when it grows
     tokens = layout("spanning_docs")
     narrow, wide = (build_block_mask(tokens, torch.tensor(w, dtype=torch.int32)) for w in (1, 4))
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
-        assert getattr(narrow, name).shape == getattr(wide, name).shape, name
+    for side in ("kv", "full_kv", "q", "full_q"):
+        for name in (f"{side}_num_blocks", f"{side}_indices"):
+            assert getattr(narrow, name).shape == getattr(wide, name).shape, name
     assert narrow.kv_num_blocks.sum() + narrow.full_kv_num_blocks.sum() < wide.kv_num_blocks.sum() + wide.full_kv_num_blocks.sum()
 
 
@@ -99,3 +107,147 @@ def test_growing_window_does_not_recompile_mask_and_attention():
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=reference_mask(tokens, window))
         torch.testing.assert_close(compiled(tokens, q, k, v, window_blocks), expected, rtol=1e-5, atol=1e-5)
     assert counter.frame_count == 1
+
+
+# --- the block lists against block pairs derived from the token pairs, lengths 1,024 to 16,384 ---
+
+def long_layout(name, length, seed=0):
+    """`length` tokens with documents laid out as `name` (EOT leads each document)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50000, (length,), generator=gen)
+
+    def anywhere(count):
+        return torch.randint(0, length, (count,), generator=gen)
+
+    starts = {
+        "one_document": torch.tensor([0]),
+        "mid_document_start": torch.tensor([length // 3 + 5]),  # no EOT at 0: the first document began earlier
+        "short_docs": anywhere(length // 30),  # several documents in every block
+        "long_docs": anywhere(max(1, length // 2500)),  # documents spanning many blocks
+        "on_block_edges": torch.arange(0, length, BLOCK_SIZE * 3),  # documents of exactly 3 blocks
+        "every_block_edge": torch.arange(0, length, BLOCK_SIZE),  # one document per block
+        "on_last_tokens": torch.cat([torch.arange(BLOCK_SIZE - 1, length, BLOCK_SIZE * 2),  # a block's last token
+                                     torch.tensor([length - 1])]),  # opens a document, the sequence's last too
+        "mixed": torch.cat([anywhere(3), torch.randint(0, length // 4, (length // 40,), generator=gen),
+                            torch.arange(length // 2, length, BLOCK_SIZE * 5)]),  # short ones, then long ones
+        "random": anywhere(int(torch.randint(1, length // 8, (1,), generator=gen))),
+    }[name]
+    tokens[starts] = EOT
+    return tokens
+
+
+LONG_LAYOUTS = ["one_document", "mid_document_start", "short_docs", "long_docs", "on_block_edges",
+                "every_block_edge", "on_last_tokens", "mixed", "random"]
+
+
+def reference_block_pairs(tokens):
+    """Per (q-block, kv-block), from the token pairs: whether any / every token pair is causal and within one
+    document; and whether both blocks lie entirely in one and the same document. The window depends on the blocks
+    only, so it is applied later; pairs more than 14 blocks apart, outside every window, are left False."""
+    docs = (tokens == EOT).cumsum(0, dtype=torch.int32).view(-1, BLOCK_SIZE)
+    pos = torch.arange(len(tokens), dtype=torch.int32).view(-1, BLOCK_SIZE)
+    n = len(docs)
+    any_allowed, all_allowed = torch.zeros(n, n, dtype=torch.bool), torch.zeros(n, n, dtype=torch.bool)
+    for distance in range(min(n, max(WINDOWS))):  # q-block = kv-block + distance, every token pair of each
+        q, kv = torch.arange(distance, n), torch.arange(n - distance)
+        allowed = ((pos[kv, None, :] <= pos[q, :, None]) & (docs[kv, None, :] == docs[q, :, None])).flatten(1)
+        any_allowed[q, kv], all_allowed[q, kv] = allowed.any(1), allowed.all(1)
+    one_doc = docs.min(1).values == docs.max(1).values
+    same_doc = one_doc[:, None] & one_doc[None, :] & (docs[:, None, 0] == docs[None, :, 0])
+    return any_allowed, all_allowed, same_doc
+
+
+def reference_lists(pairs, window):
+    """Expected (partial-not-full, full) block sets as (q-block, kv-block) boolean matrices."""
+    assert window <= max(WINDOWS)
+    any_allowed, all_allowed, same_doc = pairs
+    n = len(any_allowed)
+    q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    in_window = q - kv < window
+    partial = any_allowed & in_window  # some token pair allowed
+    full = (q > kv) & in_window & same_doc
+    assert not (full & ~all_allowed).any()  # so a full block needs no per-token test
+    return partial & ~full, full
+
+
+def listed(counts, indices):
+    """How many times each column appears among a row's first `count` entries, as an (n, n) matrix."""
+    n = indices.shape[-1]
+    assert counts.shape == (1, 1, n) and indices.shape == (1, 1, n, n)
+    assert counts.dtype == indices.dtype == torch.int32 and indices.is_contiguous()
+    assert ((indices >= 0) & (indices < n)).all()  # even past a row's count
+    counts, indices = counts[0, 0].long(), indices[0, 0].long()
+    present = torch.arange(n)[None, :] < counts[:, None]
+    rows = torch.arange(n)[:, None].expand(n, n)
+    times = torch.zeros(n, n, dtype=torch.long)
+    return times.index_put_((rows[present], indices[present]), torch.ones(int(present.sum()), dtype=torch.long),
+                            accumulate=True)
+
+
+def assert_lists_match(mask, pairs, window, context):
+    partial, full = reference_lists(pairs, window)
+    n = len(partial)
+    assert mask.seq_lengths == (n * BLOCK_SIZE, n * BLOCK_SIZE) and mask.BLOCK_SIZE == (BLOCK_SIZE, BLOCK_SIZE)
+    for side, expected_partial, expected_full in (("kv", partial, full), ("q", partial.T, full.T)):
+        got_partial = listed(getattr(mask, f"{side}_num_blocks"), getattr(mask, f"{side}_indices"))
+        got_full = listed(getattr(mask, f"full_{side}_num_blocks"), getattr(mask, f"full_{side}_indices"))
+        assert torch.equal(got_partial, expected_partial.long()), f"{side}-side partial blocks, {context}"
+        assert torch.equal(got_full, expected_full.long()), f"{side}-side full blocks, {context}"
+
+
+@pytest.mark.parametrize("length", [1024, 2048, 3072, 4096, 8192, 16384])
+def test_block_lists_equal_the_token_level_blocks(length):
+    for name in LONG_LAYOUTS:
+        for seed in range(2 if length <= 4096 else 1):
+            tokens = long_layout(name, length, seed)
+            pairs = reference_block_pairs(tokens)
+            for window in WINDOWS:
+                mask = build_block_mask(tokens, torch.tensor(window, dtype=torch.int32))
+                assert_lists_match(mask, pairs, window, f"{name}, seed {seed}, window {window}")
+
+
+def op_names(graph_module):
+    """Base names of the ops a graph calls: `sort` for aten.sort.stable, `argsort` for torch.argsort."""
+    names = set()
+    for node in graph_module.graph.nodes:
+        if node.op == "call_method":
+            names.add(node.target)
+        elif node.op == "call_function":
+            target = node.target
+            names.add(target._opname if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", ""))
+    return names
+
+
+def test_compiled_mask_holds_no_sort_and_equals_the_token_level_blocks():
+    # a sort in the compiled graph can take forever to compile (PyTorch issues 182060, 138514): none may be
+    # in the traced graph nor in the graph Inductor lowers (after decompositions); one compile at 16,384 tokens
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.utils import fresh_inductor_cache
+
+    graphs = []
+
+    def lower(graph_module, example_inputs, *args, **kwargs):
+        graphs.append(graph_module)
+        return compile_fx_inner(graph_module, example_inputs, *args, **kwargs)
+
+    def inductor(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return compile_fx(graph_module, example_inputs, inner_compile=lower)
+
+    compiled = torch.compile(build_block_mask, backend=inductor, dynamic=False)
+    tokens = long_layout("mixed", 16384, seed=5).to(torch.int32)  # as the trainer feeds them
+    pairs = reference_block_pairs(tokens)
+    window_blocks = torch.tensor(1, dtype=torch.int32)
+    started = time.perf_counter()
+    with fresh_inductor_cache():  # a cached graph would not be lowered again
+        mask = compiled(tokens, window_blocks)
+    print(f"compiled the 16,384-token mask in {time.perf_counter() - started:.1f} s")
+    assert len(graphs) == 2  # one traced graph, lowered once
+    for graph in graphs:
+        assert "cumsum" in op_names(graph)  # the names are read
+        assert not op_names(graph) & SORTS, f"sort in the compiled mask: {op_names(graph) & SORTS}"
+    for window in (1, 7, 14):
+        window_blocks.fill_(window)
+        mask = compiled(tokens, window_blocks)
+        assert_lists_match(mask, pairs, window, f"compiled, window {window}")
+    assert len(graphs) == 2  # the window changed in place: no recompilation
