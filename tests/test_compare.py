@@ -461,11 +461,12 @@ def test_smoke_run_logs(smoke_logs, capsys):
 
 
 def test_committed_gpu_logs_are_read():
-    """Every log under records/ parses; the first H100 run reads as its README's figures say."""
+    """Every log under records/ parses; the one-H100 A/B pair reads as its README's figures say."""
     logs = sorted((ROOT / "records").glob("*/*.txt"))
-    assert logs, "records/ holds at least the first H100 run"
-    runs = {log.parent.name: compare.parse_log(log) for log in logs}
-    h100 = runs["h100x1-enwiki-partial"]
-    assert (h100.planned, h100.final_loss, h100.step_avg_ms, h100.peak_mib) == (150, 6.06, 1078.72, 32348)
-    assert h100.val_loss[50] == 4.4725 and h100.devices == "1 x NVIDIA H100 80GB HBM3"
-    assert h100.torch_version == "2.11.0+cu130"
+    assert logs, "records/ holds at least the one-H100 runs"
+    runs = {log.name: compare.parse_log(log) for log in logs}
+    plain, fused = runs["ab-16384-defaults.txt"], runs["ab-16384-fused-head-loss.txt"]
+    assert (plain.planned, plain.final_loss, plain.step_avg_ms, plain.peak_mib) == (20, 5.4499, 1163.96, 10824)
+    assert (fused.planned, fused.final_loss, fused.step_avg_ms, fused.peak_mib) == (20, 5.4499, 1120.39, 10921)
+    assert (plain.startup_s, fused.startup_s) == (64.4, 59.6)
+    assert plain.devices == "1 x NVIDIA H100 80GB HBM3" and plain.torch_version == "2.11.0+cu130"
