@@ -724,7 +724,12 @@ class RunLog:
             self.file.close()
 
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
-        self("\n".join([*environment_report(world_size, device), "=" * 100, "hyperparameters:"]), console=False)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        lines = [f"Running Python {sys.version}", f"Running PyTorch {torch.__version__} compiled for CUDA "
+                 f"{torch.version.cuda}", f"devices: {world_size} x {gpu}"]
+        if shutil.which("nvidia-smi"):
+            lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
+        self("\n".join([*lines, "=" * 100, "hyperparameters:"]), console=False)
         for name, value in asdict(args).items():
             self(f"  {name} = {value}", console=False)
         for name, loader in (("train", train_loader), ("val", val_loader)):
@@ -736,15 +741,6 @@ class RunLog:
         if args.compile_cache:
             self(f"compile cache {args.compile_cache}: {cache_note}")
         self("=" * 100, console=False)
-
-
-def environment_report(world_size, device):
-    lines = [f"Running Python {sys.version}",
-             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
-             f"devices: {world_size} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"]
-    if shutil.which("nvidia-smi"):
-        lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
-    return lines
 
 
 def build_optimizers(model, args, compiled=False):
