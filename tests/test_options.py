@@ -36,13 +36,14 @@ BAD = {
     "val_loss_every": ["-1"],
     "log_dir": ["", "{file}"],
     "compile": ["fast", "True"],
+    "fused_head_loss": ["yes", "1"],
     "compile_cache": ["{folder}"],
     "seed": ["-1", str(2 ** 64)],  # -1: a ValueError from numpy once
     "profile": ["-1"],
 }
 # booleans: no value both parses and fails; parse_bool refuses anything but true/false words (exit code 2)
 NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "regional_compile",
-                "fused_head_loss", "fused_qkv"}
+                "fused_qkv"}
 
 # edge values that must pass, so that the checks are not too strict
 GOOD = {
@@ -53,6 +54,7 @@ GOOD = {
     "vocab_size": ["50257"], "num_layers": ["6"], "num_heads": ["1", "192"], "model_dim": ["24"],
     "batch_size": ["128"], "max_device_batch_size": ["128", "65536"], "num_iterations": ["1"],
     "val_tokens": ["65536"], "seed": [str(2 ** 64 - 1)], "compile": ["auto", "true", "false"],
+    "fused_head_loss": ["auto", "true", "false"],
     "compile_cache": ["", "cache.bin"], "log_dir": ["new/folder"],
 }
 
