@@ -1,9 +1,6 @@
-"""NanoGPT speedrun trainer: a GPT-2-small-class model on FineWeb-10B to 3.28 val loss, one file.
-
-Run:   torchrun --standalone --nproc_per_node=8 train_gpt.py      (or ./run.sh)
-Smoke: python train_gpt.py --preset smoke   (CPU, minutes; built-in synthetic data unless shards are named)
-Reads top to bottom in the order data flows: configuration, Muon, kernels, model, attention masks, data,
-training loop, main(). Nothing runs on import; tests import the parts.
+"""NanoGPT speedrun trainer: a GPT-2-small-class model on FineWeb-10B to 3.28 val loss, in one file.
+Run: torchrun --standalone --nproc_per_node=8 train_gpt.py (./run.sh); on a CPU: python train_gpt.py --preset smoke.
+In the order data flows: configuration, Muon, kernels, model, masks, data, training loop, main(). Nothing runs on import.
 """
 import time
 LAUNCH_TIME = time.time()  # before the heavy imports: start-up is counted from launch
@@ -12,7 +9,6 @@ import contextlib
 import glob
 import hashlib
 import importlib.metadata
-import json
 import math
 import os
 import resource
@@ -36,7 +32,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 # -----------------------------------------------------------------------------
 # Configuration
-
 
 @dataclass
 class Hyperparameters:
@@ -80,11 +75,10 @@ class Hyperparameters:
     compile_cache: str = ""  # a file: load compiled code from it before compiling, save it after step 1
     regional_compile: bool = False  # compile each block and the head on its own: 4 block forms traced, not 12 blocks
     seed: int = 0
-    # speed options: off until a GPU has measured them
+    # speed options
     fused_head_loss: str = "auto"  # softcap, cross-entropy and its gradient in one Triton kernel; auto: with CUDA
     fused_qkv: bool = False  # q, k, v as one product of the stacked weights (still three matrices for Muon)
     profile: int = 0  # profile this many train steps after warm-up: trace and top-kernel table in log_dir
-
 
 def check_hyperparameters(args):
     """Refuse, naming the option and its valid range, any value that cannot work: called before any file,
@@ -122,7 +116,6 @@ def check_hyperparameters(args):
             if not valid(getattr(args, name)):
                 raise UserError(f"--{name} must be {allowed}; got {getattr(args, name)!r}")
 
-
 # A small model and a short run that finish in minutes on a 2-core CPU; still exercises every part
 # (value embeddings, U-net skips, the attention-free block, window growth, accumulation).
 PRESETS = {
@@ -138,7 +131,6 @@ PRESETS = {
 BLOCK_SIZE = 128  # FlexAttention block; sequences are multiples of it
 EOT = 50256  # <|endoftext|>, precedes every document
 
-
 class UserError(Exception):
     """A problem the user can fix (data, configuration, hardware); main() prints it without a traceback,
     on rank 0 only unless it may happen on one rank alone."""
@@ -147,10 +139,8 @@ class UserError(Exception):
         super().__init__(message)
         self.every_rank = every_rank
 
-
 # -----------------------------------------------------------------------------
 # Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024)
-
 
 def newton_schulz_wide(X, steps):
     """The iteration on a batch of wide or square bf16 matrices (..., rows <= cols), each normalised on its
@@ -163,7 +153,6 @@ def newton_schulz_wide(X, steps):
         X = a * X + B @ X
     return X
 
-
 def zeropower_via_newtonschulz5(G, steps):
     """Roughly orthogonalise G: a quintic Newton-Schulz iteration whose coefficients are tuned to push
     singular values towards 1 fast, not exactly (they land near 0.7 to 1.2). Runs in bfloat16."""
@@ -171,7 +160,6 @@ def zeropower_via_newtonschulz5(G, steps):
     tall = G.size(0) > G.size(1)  # iterate on the smaller Gram matrix
     X = newton_schulz_wide((G.mT if tall else G).to(torch.bfloat16)[None], steps)[0]
     return X.mT if tall else X
-
 
 class Muon(torch.optim.Optimizer):
     """SGD-momentum (Nesterov) whose update is orthogonalised, for the 2-D matrices of the blocks.
@@ -236,7 +224,6 @@ class Muon(torch.optim.Optimizer):
         updates = torch._foreach_lerp(grads, buffers, m) if group["nesterov"] else buffers
         torch._foreach_copy_(stacked[:len(mine)].unbind(), [u.mT if u.size(0) > u.size(1) else u for u in updates])
 
-
 # -----------------------------------------------------------------------------
 # Kernels: faster forms of model pieces, each equal up to rounding to the plain expression it replaces
 # (tests/test_kernels.py). Before the model, which calls them; used only when an option asks.
@@ -245,7 +232,6 @@ class Muon(torch.optim.Optimizer):
 # row once for the softcap c = 15 tanh(z / 15) and the loss logsumexp(c) - c[target], and in training overwrites the
 # row with d(mean loss)/dz. HBM traffic: one read and one write of the bf16 logits (6.6 GB each per 64K-token
 # micro-batch); on an H100 that takes half the time of the compiled plain softcap and cross-entropy.
-
 
 @triton.jit
 def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale, VOCAB: tl.constexpr, ROWS: tl.constexpr,
@@ -281,10 +267,8 @@ def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale, V
             lse = 15 + tl.log(tl.reduce(total, 1, tl.standard._sum_combine))
             tl.store(losses + row, lse - tl.reduce(c_target, 1, tl.standard._sum_combine), mask=row_ok)
 
-
 HEAD_LAUNCH_CUDA = dict(ROWS=1, COLS=4096, num_warps=16, TANH_APPROX=True)  # fastest measured on an H100
 HEAD_LAUNCH_CPU = dict(ROWS=64, COLS=2048, TANH_APPROX=False)  # the interpreter: numpy on large blocks, no PTX
-
 
 def softcapped_cross_entropy_(logits, targets, grad_scale=None):
     """Per-row losses of 15 tanh(logits / 15); with grad_scale, logits become grad_scale * d(sum of losses)/d logits.
@@ -302,13 +286,11 @@ def softcapped_cross_entropy_(logits, targets, grad_scale=None):
         logits.copy_(buffer)
     return losses
 
-
 def matmul(a, b):
-    """a @ b in a's dtype, as cuBLAS rounds it; on CPU through fp32 (bf16 GEMMs crawl on AVX2 CPUs)."""
+    """a @ b in a's dtype; on CPU through fp32, which rounds as a bf16 GEMM does (those crawl on AVX2 CPUs)."""
     if a.device.type == "cpu" and a.dtype == torch.bfloat16:
         return (a.float() @ b.float()).type_as(a)
     return a @ b
-
 
 class FusedHeadLoss(torch.autograd.Function):
     """Forward leaves d(mean loss)/d logits in the logits' buffer; backward scales the two small products by the
@@ -328,7 +310,6 @@ class FusedHeadLoss(torch.autograd.Function):
         grad_w = matmul(grad_logits.T, x).float().mul_(grad_loss) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
-
 # A deliberate graph break: traced, the in-place kernel would be functionalised, which may copy the 6.6 GB logits;
 # eager reuses the buffer for sure, and the products run on cuBLAS either way. torch.compiler.disable at the first
 # call: importing torch._dynamo on import would set TORCHINDUCTOR_CACHE_DIR and make its folder.
@@ -338,14 +319,11 @@ def fused_head_loss(x, weight, targets):
         return FusedHeadLoss.apply(x, weight, targets)
     return softcapped_cross_entropy_(matmul(x, weight.type_as(x).T), targets).mean()  # eval: the loss only
 
-
 # -----------------------------------------------------------------------------
 # The model: a U-net GPT with value embeddings
 
-
 def norm(x):
     return F.rms_norm(x, (x.size(-1),))  # no weight
-
 
 class CastedLinear(nn.Linear):
     """Bias-free linear whose fp32 weight is cast to the activations' dtype at use."""
@@ -356,10 +334,7 @@ class CastedLinear(nn.Linear):
             nn.init.zeros_(self.weight)
 
     def forward(self, x):
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16:  # same roundings; bf16 GEMMs crawl on AVX2 CPUs
-            return F.linear(x.float(), self.weight.type_as(x).float()).type_as(x)
-        return F.linear(x, self.weight.type_as(x))
-
+        return matmul(x, self.weight.type_as(x).T)
 
 class Rotary(nn.Module):
     """Rotary position embedding (Su et al., RoFormer), half-truncated: half of the dimension pairs
@@ -379,7 +354,6 @@ class Rotary(nn.Module):
         sin = self.sin[None, :x.size(1), None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1).type_as(x)
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim, num_heads, fused_qkv=False):
@@ -413,7 +387,6 @@ class CausalSelfAttention(nn.Module):
                                                scale=self.head_dim ** -0.5).type_as(q)
         return self.proj(y.transpose(1, 2).reshape(B, T, dim))
 
-
 class MLP(nn.Module):
     def __init__(self, dim):
         super().__init__()
@@ -422,7 +395,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.proj(F.relu(self.fc(x)).square())  # ReLU² (So et al., Primer, 2021)
-
 
 class Block(nn.Module):
     def __init__(self, dim, num_heads, has_attention, fused_qkv=False):
@@ -437,15 +409,10 @@ class Block(nn.Module):
             x = x + self.attn(norm(x), value_embed, mask)
         return x + self.mlp(norm(x))
 
-
 class GPT(nn.Module):
     def __init__(self, vocab_size, num_layers, num_heads, model_dim, *, attention_free_layer=7, bf16_embeds=True,
                  fused_head_loss=False, fused_qkv=False):
         super().__init__()
-        if num_layers < 6 or num_layers % 2:
-            raise UserError(f"num_layers must be even and at least 6 (U-net halves, 3+3 value-embedded layers); got {num_layers}")
-        if model_dim % num_heads or (model_dim // num_heads) % 4:
-            raise UserError(f"model_dim {model_dim} must split into {num_heads} heads of a size divisible by 4 (rotary)")
         self.num_layers, self.fused_head_loss = num_layers, fused_head_loss
         self.embed = nn.Embedding(vocab_size, model_dim)
         # three value-embedding tables, used by the first three and the last three layers
@@ -464,12 +431,8 @@ class GPT(nn.Module):
                    attention_free_layer=args.attention_free_layer, bf16_embeds=args.bf16_embeds,
                    fused_head_loss=switched_on(args.fused_head_loss, device), fused_qkv=args.fused_qkv)
 
-    def value_embed_index(self, layer):
-        if layer < 3:
-            return layer
-        if layer >= self.num_layers - 3:
-            return layer - (self.num_layers - 3)
-        return None
+    def value_embed_index(self, layer):  # tables 0, 1, 2 for the first three layers and again for the last three
+        return layer if layer < 3 else layer - (self.num_layers - 3) if layer >= self.num_layers - 3 else None
 
     def forward(self, inputs, targets, window_blocks):
         assert inputs.ndim == 1, "one packed sequence per device"
@@ -494,10 +457,8 @@ class GPT(nn.Module):
         logits = 15 * torch.tanh(logits / 15)  # logit softcap (as in Gemma 2)
         return F.cross_entropy(logits.float(), targets)
 
-
 # -----------------------------------------------------------------------------
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
-
 
 def listed_rows(first, last, window_blocks):
     """Per q-block (row), the kv blocks to visit, by arithmetic on each block's first and last doc id (both
@@ -515,7 +476,6 @@ def listed_rows(first, last, window_blocks):
     partial_count = (q + 1 - start).clamp(min=0) - full_count
     return [t.to(torch.int32)[None, None].contiguous() for t in (partial_count[:, 0], partial, full_count[:, 0], full)]
 
-
 def build_block_mask(inputs, window_blocks):
     """The FlexAttention mask, built without a sort: compiled, one can take forever (PyTorch issues 182060, 138514)."""
     docs = (inputs == EOT).cumsum(0)
@@ -531,14 +491,12 @@ def build_block_mask(inputs, window_blocks):
 
     return BlockMask((len(inputs),) * 2, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE,) * 2, mask_mod=document_causal)
 
-
 def build_dense_mask(inputs, window_blocks):
     """The same mask as a dense (T, T) boolean matrix, token by token, for attention on CPU."""
     docs = (inputs == EOT).cumsum(0)
     pos = torch.arange(len(inputs), device=inputs.device)
     q, k = pos[:, None], pos[None, :]
     return (k <= q) & (k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks) & (docs[:, None] == docs[None, :])
-
 
 # -----------------------------------------------------------------------------
 # Data: token shards and the loader every rank walks in step
@@ -547,7 +505,6 @@ SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
 FINEWEB_SHARD_TOKENS = 100_000_000  # each FineWeb train shard on the hub
 REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
 
-
 def fetch_hint(num_iterations, batch_size):
     """The command that fetches the FineWeb train shards a run reads (plus the val shard)."""
     needed = -(-num_iterations // ((FINEWEB_SHARD_TOKENS - 2) // batch_size))  # whole batches per shard
@@ -555,7 +512,6 @@ def fetch_hint(num_iterations, batch_size):
         return "fetch FineWeb with `python data/cached_fineweb10B.py 1`"
     # one spare shard, the record's usual advice (9 for the 8 that 1390 steps read)
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {needed + 1}` (this run reads {needed} train shards)"
-
 
 def read_shard_header(path):
     """Validate a shard's header and size without reading its tokens; returns the token count."""
@@ -574,7 +530,6 @@ def read_shard_header(path):
                         f"but the file has {size} bytes (truncated or corrupt); {REFETCH_HINT}")
     return num_tokens
 
-
 def load_data_shard(path):
     num_tokens = read_shard_header(path)
     # pinned host memory makes the per-batch copies to the GPU truly asynchronous
@@ -585,7 +540,6 @@ def load_data_shard(path):
             raise UserError(f"{path}: file changed while reading")
     return tokens
 
-
 def write_data_shard(path, tokens):
     tokens = np.asarray(tokens)
     assert tokens.ndim == 1 and (tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < 2 ** 16))
@@ -594,7 +548,6 @@ def write_data_shard(path, tokens):
     with open(path, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype("<u2").tobytes())
-
 
 def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     """Documents of 40 to 399 tokens, each led by EOT, walking a random Markov chain over `vocab` tokens with
@@ -609,7 +562,6 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
             state = table[state][choice]
     return np.array(tokens[:num_tokens])
 
-
 def prepare_shards(args, split, num_tokens):
     """The shard pattern of a split. For "synthetic", first write the seeded Markov stream as one shard into
     the log folder; ranks write identical bytes, each renaming its own temp file, so races are harmless."""
@@ -622,7 +574,6 @@ def prepare_shards(args, split, num_tokens):
     write_data_shard(tmp, markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed))
     os.replace(tmp, path)
     return glob.escape(str(path))
-
 
 class DistributedDataLoader:
     """All ranks walk one global token stream; of each global batch, rank r takes the r-th share."""
@@ -652,12 +603,8 @@ class DistributedDataLoader:
         self.tokens = load_data_shard(self.files[shard])
 
     def next_batch(self, batch_size):
-        if batch_size % self.world_size:
-            raise UserError(f"batch of {batch_size} tokens does not divide among {self.world_size} processes")
-        if self.pos + batch_size + 1 >= len(self.tokens):
+        if self.pos + batch_size + 1 >= len(self.tokens):  # train() checked that every shard holds a batch
             self._load((self.shard + 1) % len(self.files))
-            if batch_size + 1 >= len(self.tokens):
-                raise UserError(f"{self.files[self.shard]}: {len(self.tokens)} tokens, fewer than one batch of {batch_size + 1}")
         share = batch_size // self.world_size
         start = self.pos + self.rank * share
         chunk = self.tokens[start:start + share + 1]
@@ -666,56 +613,48 @@ class DistributedDataLoader:
         targets = chunk[1:].to(device=self.device, dtype=torch.int64, non_blocking=True)
         return inputs, targets
 
-
 # -----------------------------------------------------------------------------
 # Training loop
 
 UNTIMED_STEPS = 10  # the first steps compile and warm up; train_time starts after them
-
 
 def lr_multiplier(step, args):
     """Stable, then linear decay to 0 over the last cooldown_frac of the steps."""
     remaining = 1 - step / args.num_iterations
     return 1.0 if remaining >= args.cooldown_frac else remaining / args.cooldown_frac
 
-
 def muon_momentum(step, args):
     frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps else 1
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
-
 
 def window_blocks_at(step, args):
     """Attention window in whole blocks, growing linearly over training (1 to 14 blocks by default)."""
     x = step / args.num_iterations
     return int(((1 - x) * args.window_start + x * args.window_end) // BLOCK_SIZE)
 
-
 def step_avg(train_time_ms, steps_done):
     """Mean ms per timed step; the untimed warm-up steps are left out."""
     return train_time_ms / (steps_done - UNTIMED_STEPS) if steps_done > UNTIMED_STEPS else float("nan")
-
 
 def switched_on(option, device):
     """An auto/true/false option; auto is on with CUDA, where it measured faster, and off on a CPU."""
     return option == "true" or (option == "auto" and device.type == "cuda")
 
-
 def micro_batch_plan(args, world_size):
-    """Per-rank micro-batch size and count for the fixed global batch; clear errors where it cannot work."""
+    """Per-process micro-batch size and count for the fixed global batch, and the val batch (the process count
+    is known only here; check_hyperparameters did the rest)."""
+    share, val_batch = args.batch_size // world_size, world_size * args.max_device_batch_size
+    micro = min(args.max_device_batch_size, share)
     if args.batch_size % world_size:
         raise UserError(f"the global batch of {args.batch_size} tokens does not divide among {world_size} processes; "
                         "use 1, 2, 4 or 8 processes, or a --batch_size divisible by the process count")
-    share = args.batch_size // world_size
-    micro = min(args.max_device_batch_size, share)
     if share % micro or micro % BLOCK_SIZE:
         raise UserError(f"each process's {share} tokens must split into equal micro-batches of at most "
                         f"--max_device_batch_size {args.max_device_batch_size}, each a multiple of {BLOCK_SIZE}")
-    val_batch = world_size * args.max_device_batch_size
-    if args.val_tokens % val_batch or args.max_device_batch_size % BLOCK_SIZE:
+    if args.val_tokens % val_batch:
         raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x --max_device_batch_size "
-                        f"= {val_batch} (and that a multiple of {BLOCK_SIZE})")
+                        f"= {val_batch}")
     return micro, share // micro, val_batch
-
 
 def setup_device():
     """Rank, world size and device, from torchrun's environment (a single process without it)."""
@@ -732,7 +671,6 @@ def setup_device():
                         "it needs an Ampere or newer GPU (A100, A10, L4, L40S, RTX 30xx or later, H100)")
     torch.cuda.set_device(device)
     return rank, world_size, device
-
 
 def build_loaders(args, rank, world_size, device, val_batch):
     """Train and val loaders, with the data budget checked from the shard headers before step 1:
@@ -754,7 +692,6 @@ def build_loaders(args, rank, world_size, device, val_batch):
                         f"({sum(val_loader.sizes):,} tokens, {val_batches * val_batch:,} in whole batches of "
                         f"{val_batch:,}): lower --val_tokens, or add val shards")
     return train_loader, val_loader, passes
-
 
 class RunLog:
     """Rank 0's log, logs/<uuid>.txt: the exact source, the environment and configuration, then the step lines.
@@ -804,7 +741,6 @@ class RunLog:
             self(f"compile cache {args.compile_cache}: {cache_note}")
         self("=" * 100, console=False)
 
-
 def build_optimizers(model, args, compiled=False):
     """Adam for embeddings, head and scalars; Muon for the matrices inside the blocks."""
     adam_groups = [
@@ -819,7 +755,6 @@ def build_optimizers(model, args, compiled=False):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return adam, muon
-
 
 def build_model(args, device, world_size, compiled):
     """The model, its optimisers, and the (compiled, DDP-wrapped) module the loop calls."""
@@ -837,7 +772,6 @@ def build_model(args, device, world_size, compiled):
                           broadcast_buffers=False, gradient_as_bucket_view=True)
     return model, train_model, adam, muon
 
-
 def compile_regions(model):
     """Regional compilation: each block compiled on its own, so Dynamo traces four block forms (the first, whose
     input is x0 itself; with value embeddings; without; without attention) instead of all twelve blocks as one
@@ -847,13 +781,11 @@ def compile_regions(model):
     model.head_loss = torch.compile(model.head_loss, dynamic=False)
     return model
 
-
 def compile_cache_stamp(device):
     """What compiled code depends on; a cache file made under another stamp is not used."""
     triton = next((d.version for d in importlib.metadata.distributions(name="triton")), None)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, {gpu}"
-
 
 def load_compile_cache(path, stamp):
     """Fill the local compile caches from a saved file; returns what happened, for the log."""
@@ -870,7 +802,6 @@ def load_compile_cache(path, stamp):
         return f"rejected: {type(e).__name__}: {e}"
     return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
-
 def save_compile_cache(path, stamp):
     """Save what this process compiled: a temp file in the same folder renamed into place, never half a cache."""
     tmp, artifacts = f"{path}.{os.getpid()}.tmp", (torch.compiler.save_cache_artifacts() or [b""])[0]
@@ -880,7 +811,6 @@ def save_compile_cache(path, stamp):
     except OSError as e:
         return f"not saved: {e}"
     return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
-
 
 def startup_report(args, compiled, stamp, master):
     """Seconds from launch to the end of step 1 and, when compiling, the compile share and cache hits."""
@@ -894,47 +824,37 @@ def startup_report(args, compiled, stamp, master):
             line += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
     return line
 
+def start_profiler(args, device, master):
+    """--profile N: rank 0 runs N train steps after warm-up (earlier in short runs) under torch.profiler."""
+    if not (master and args.profile):
+        return None
+    wait = max(0, min(12, args.num_iterations - args.profile))
+    cuda = [torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda],
+                                      schedule=torch.profiler.schedule(wait=wait, warmup=0, active=args.profile, repeat=1))
+    profiler.start()
+    return profiler
 
-class StepProfiler:
-    """--profile N: rank 0 runs N train steps after warm-up under torch.profiler; the trace goes beside the
-    log and the top kernels into it as "profile:" lines, before the last line (the peak memory)."""
-
-    def __init__(self, args, device, master):
-        start = max(0, min(12, args.num_iterations - args.profile))  # after warm-up, earlier in short runs
-        self.steps = range(start, min(args.num_iterations, start + args.profile)) if master else range(0)
-        self.device, self.profiler = device, None
-
-    def at(self, step):
-        if self.steps and step == self.steps.start:
-            cuda = [torch.profiler.ProfilerActivity.CUDA] * (self.device.type == "cuda")
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
-            self.profiler.start()
-        if self.profiler and step == self.steps.stop:
-            synchronize(self.device)
-            self.profiler.stop()
-
-    def report(self, log):
-        if not self.profiler:
-            return
-        trace_path = os.path.join(os.path.dirname(log.path), f"{log.run_id}.trace.json")
-        self.profiler.export_chrome_trace(trace_path)
-        log(f"profile: {len(self.steps)} step(s) from step {self.steps.start + 1} ran under the profiler, so the times "
-            f"above are not representative; trace for Perfetto or chrome://tracing: {trace_path}")
-        kind = "device" if self.device.type == "cuda" else "cpu"
-        for line in self.profiler.key_averages().table(sort_by=f"self_{kind}_time_total", row_limit=25).splitlines():
-            log(f"profile: {line}", console=False)
-
+def report_profile(profiler, args, log, device):
+    """The trace beside the log; the top kernels into it as "profile:" lines, before the peak memory line."""
+    trace_path = os.path.join(os.path.dirname(log.path), f"{log.run_id}.trace.json")
+    profiler.stop()
+    profiler.export_chrome_trace(trace_path)
+    log(f"profile: {args.profile} step(s) from step {max(0, min(12, args.num_iterations - args.profile)) + 1} ran "
+        f"under the profiler, so the times above are not representative; trace for Perfetto or chrome://tracing: "
+        f"{trace_path}")
+    kind = "device" if device.type == "cuda" else "cpu"
+    for line in profiler.key_averages().table(sort_by=f"self_{kind}_time_total", row_limit=25).splitlines():
+        log(f"profile: {line}", console=False)
 
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
 
-
 def stop_if_diverged(val_loss, step):
     if not math.isfinite(val_loss):  # every rank sees the same reduced loss, so all stop here
         raise UserError(f"val loss is {val_loss} at step {step}: training diverged, most likely a learning rate "
                         "too high for this configuration (--muon_lr, --embed_lr, --head_lr, --scalar_lr)")
-
 
 @contextlib.contextmanager
 def out_of_memory_as_error(micro):
@@ -945,12 +865,10 @@ def out_of_memory_as_error(micro):
                         f"{micro // 2} (half usually fits; the global batch and the maths stay the same)",
                         every_rank=True) from None
 
-
 def peak_memory_mib(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() // 2 ** 20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # CPU: peak resident memory (KiB on Linux)
-
 
 @torch.no_grad()
 def evaluate(model, loader, args, val_batch, window_blocks, world_size):
@@ -968,14 +886,12 @@ def evaluate(model, loader, args, val_batch, window_blocks, world_size):
     model.train()
     return total.item()
 
-
 def save_checkpoint(args, log, model, optimizers):
     folder = os.path.join(args.log_dir, log.run_id)
     os.makedirs(folder, exist_ok=True)
     torch.save(dict(step=args.num_iterations, code=Path(__file__).read_text(), args=asdict(args),
                     model=model.state_dict(), optimizers=[opt.state_dict() for opt in optimizers]),
                os.path.join(folder, f"state_step{args.num_iterations:06d}.pt"))
-
 
 def train(args):
     rank, world_size, device = setup_device()
@@ -995,14 +911,13 @@ def train(args):
         model, train_model, adam, muon = build_model(args, device, world_size, compiled)
         # a device tensor, changed in place: the compiled graph sees a new value, never a new constant
         window_blocks = torch.tensor(window_blocks_at(0, args), dtype=torch.int32, device=device)
-        profiler = StepProfiler(args, device, master=rank == 0)
+        profiler = start_profiler(args, device, master=rank == 0)
         N = args.num_iterations
         train_time_ms, t0 = 0.0, time.perf_counter()
         for step in range(N + 1):
             last_step = step == N
             if step == UNTIMED_STEPS:
                 train_time_ms, t0 = 0.0, time.perf_counter()
-            profiler.at(step)
             window_blocks.fill_(window_blocks_at(step, args))
 
             if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
@@ -1035,11 +950,14 @@ def train(args):
             model.zero_grad(set_to_none=True)
             approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: the step stays asynchronous
             log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{step_avg(approx_ms, step + 1):.2f}ms")
+            if profiler:
+                profiler.step()
             if step == 0:  # everything has compiled now: eval at step 0, model and optimisers in step 1
                 synchronize(device)
                 log(startup_report(args, compiled, stamp, master=rank == 0))
 
-        profiler.report(log)
+        if profiler:
+            report_profile(profiler, args, log, device)
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
         if rank == 0 and args.save_checkpoint:
             save_checkpoint(args, log, model, (adam, muon))
@@ -1047,10 +965,8 @@ def train(args):
         dist.barrier()  # no rank tears the process group down while another still writes or reduces
     return 0
 
-
 # -----------------------------------------------------------------------------
 # main
-
 
 def parse_bool(text):
     if text.lower() in ("1", "true", "yes", "on"):
@@ -1058,7 +974,6 @@ def parse_bool(text):
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
 
 def parse_args(argv=None):
     preset_parser = argparse.ArgumentParser(add_help=False)
@@ -1075,7 +990,6 @@ def parse_args(argv=None):
     namespace = parser.parse_args(argv)
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
-
 def main(argv=None):
     # before anything initialises CUDA: fewer fragmentation stalls when the window grows
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -1090,7 +1004,6 @@ def main(argv=None):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     sys.exit(main())
