@@ -4,9 +4,9 @@
 
 A and B are each a trainer script, optionally followed by its own flags, quoted as one argument
 (split as a shell would): two copies of the script, or one script with two flag sets. Flags after
-"--" go to both. For example, does the fused head loss make steps faster?
+"--" go to both. For example, is a step faster with q, k and v as one product?
 
-    python records/ab.py train_gpt.py "train_gpt.py --fused_head_loss true" --runs 3 \\
+    python records/ab.py train_gpt.py "train_gpt.py --fused_qkv true" --runs 3 \\
         -- --num_iterations 200 --val_loss_every 0
 
 The runs alternate A1 B1 A2 B2 ... so that a machine that warms up or slows down over time

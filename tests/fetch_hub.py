@@ -47,7 +47,7 @@ MAGIC, VERSION = 20240520, 1
 
 
 def shard_bytes(tokens: np.ndarray) -> bytes:
-    """A shard as SPEC section 3 defines it: 256 int32 header, then uint16 tokens."""
+    """A token shard: a header of 256 int32 (magic, version, token count), then uint16 tokens."""
     header = np.zeros(256, dtype="<i4")
     header[:3] = (MAGIC, VERSION, len(tokens))
     return header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()

@@ -1,4 +1,4 @@
-"""The speed options (issue 9) compute what the plain model computes: each against an independent
+"""The speed options compute what the plain model computes: each against an independent
 reference (the unfused PyTorch expression, float64 where rounding matters), forward and gradient."""
 import functools
 import json
