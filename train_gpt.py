@@ -1,33 +1,16 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model on FineWeb-10B to 3.28 val loss, in one file.
 Run: torchrun --standalone --nproc_per_node=8 train_gpt.py (./run.sh); on a CPU: python train_gpt.py --preset smoke.
-In the order data flows: configuration, Muon, kernels, model, masks, data, training loop, main(). Nothing runs on import.
-"""
+In data-flow order: configuration, Muon, kernels, model, masks, data, training loop, main(). Nothing runs on import."""
 import time
 LAUNCH_TIME = time.time()  # before the heavy imports: start-up is counted from launch
-import argparse
-import contextlib
-import glob
-import hashlib
-import importlib.metadata
-import math
-import os
-import resource
-import shutil
-import subprocess
-import sys
-import uuid
+import argparse, contextlib, glob, hashlib, importlib.metadata, math, os, resource, shutil, subprocess, sys, uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-
 import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.nn.parallel import DistributedDataParallel as DDP
-import triton
-import triton.language as tl
+import triton, triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 # -----------------------------------------------------------------------------
@@ -35,27 +18,22 @@ from triton.runtime.interpreter import InterpretedFunction
 
 @dataclass
 class Hyperparameters:
-    # data: glob patterns of token shards, taken in sorted file-name order
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # a glob of token shards, read in sorted file-name order
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
     val_tokens: int = 10_485_760  # the first 10,485,760 val tokens, fixed by the record rules
     allow_data_repeat: bool = False  # let a run read the train stream more than once (never a record)
-    # batch: tokens per optimiser step, whatever the number of processes
-    batch_size: int = 8 * 64 * 1024
+    batch_size: int = 8 * 64 * 1024  # tokens per optimiser step, whatever the number of processes
     max_device_batch_size: int = 64 * 1024  # one packed sequence per forward; longer shares accumulate
-    # schedule
     num_iterations: int = 1390
     cooldown_frac: float = 0.4  # last 40% of steps: learning rate decays linearly to 0
     window_start: int = 128  # attention window in tokens at step 0 ...
     window_end: int = 1856  # ... and at the end; // 128 gives 1 to 14 blocks
-    # model
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
     num_layers: int = 12
     num_heads: int = 6
     model_dim: int = 768
     attention_free_layer: int = 7  # this block has no attention (none if >= num_layers)
     bf16_embeds: bool = True
-    # optimisers
     embed_lr: float = 0.6
     head_lr: float = 0.008
     scalar_lr: float = 0.04
@@ -66,7 +44,6 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85
     muon_momentum: float = 0.95
     muon_momentum_warmup_steps: int = 300
-    # evaluation, logging, runtime
     val_loss_every: int = 125  # 0: only after the last step
     log_dir: str = "logs"
     save_checkpoint: bool = False
@@ -75,21 +52,17 @@ class Hyperparameters:
     compile_cache: str = ""  # a file: load compiled code from it before compiling, save it after step 1
     regional_compile: bool = False  # compile each block and the head on its own: 4 block forms traced, not 12 blocks
     seed: int = 0
-    # speed options
     fused_head_loss: str = "auto"  # softcap, cross-entropy and its gradient in one Triton kernel; auto: with CUDA
     fused_qkv: bool = False  # q, k, v as one product of the stacked weights (still three matrices for Muon)
     profile: int = 0  # profile this many train steps after warm-up: trace and top-kernel table in log_dir
 
-def check_hyperparameters(args):
-    """Refuse, naming the option and its valid range, any value that cannot work: called before any file,
-    process group or model exists. The checks that depend on the process count are in micro_batch_plan."""
+def check_hyperparameters(args):  # refuse any value that cannot work, naming the option and its valid range
     mdbs, heads = args.max_device_batch_size, args.num_heads
     rules = [  # (fields, test of a value, valid range); in order: a test may use the fields checked above it
         ("train_files val_files", lambda v: v != "", "a glob of token shards or 'synthetic'"),
         ("batch_size", lambda v: v > 0 and v % BLOCK_SIZE == 0, f"a positive multiple of {BLOCK_SIZE}"),
-        # one packed sequence per forward: whole attention blocks, no longer than Rotary's table
         ("max_device_batch_size", lambda v: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
-         f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),
+         f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),  # whole attention blocks, within Rotary's table
         ("val_tokens", lambda v: v > 0 and v % mdbs == 0, f"a positive multiple of --max_device_batch_size ({mdbs})"),
         ("num_iterations num_heads", lambda v: v >= 1, "at least 1"),
         ("val_loss_every attention_free_layer muon_momentum_warmup_steps profile", lambda v: v >= 0, "at least 0"),
@@ -100,12 +73,10 @@ def check_hyperparameters(args):
         ("num_layers", lambda v: v >= 6 and v % 2 == 0, "even, at least 6 (U-net halves, 3+3 value-embedded layers)"),
         ("model_dim", lambda v: v > 0 and v % (4 * heads) == 0,
          f"a positive multiple of 4 x --num_heads ({4 * heads}): heads of a size divisible by 4 (rotary)"),
-        # 0 is allowed: it freezes that parameter group, an ablation
-        ("embed_lr head_lr scalar_lr muon_lr", lambda v: 0 <= v < math.inf, "finite and at least 0"),
+        ("embed_lr head_lr scalar_lr muon_lr", lambda v: 0 <= v < math.inf, "finite and at least 0"),  # 0: frozen
         # 1 would never let a gradient into the running averages
         ("adam_beta1 adam_beta2 muon_momentum_start muon_momentum", lambda v: 0 <= v < 1, "at least 0 and below 1"),
-        # Adam divides by sqrt(v) + eps, and v stays 0 for a token the batches never hold
-        ("adam_eps", lambda v: 0 < v < math.inf, "finite and above 0"),
+        ("adam_eps", lambda v: 0 < v < math.inf, "finite and above 0"),  # Adam's sqrt(v) + eps: v = 0 for unseen tokens
         ("log_dir", lambda v: v != "" and not os.path.isfile(v), "a folder name (not empty, not an existing file)"),
         ("compile fused_head_loss", lambda v: v in ("auto", "true", "false"), "auto (on with CUDA), true or false"),
         ("compile_cache", lambda v: not os.path.isdir(v), "a file name or '' (off), not a folder"),
@@ -131,20 +102,15 @@ PRESETS = {
 BLOCK_SIZE = 128  # FlexAttention block; sequences are multiples of it
 EOT = 50256  # <|endoftext|>, precedes every document
 
-class UserError(Exception):
-    """A problem the user can fix (data, configuration, hardware); main() prints it without a traceback,
-    on rank 0 only unless it may happen on one rank alone."""
-
+class UserError(Exception):  # one the user can fix (data, configuration, hardware): main() prints it, no traceback
     def __init__(self, message, every_rank=False):
         super().__init__(message)
-        self.every_rank = every_rank
+        self.every_rank = every_rank  # it may happen on one rank alone: print it there too, not on rank 0 only
 
 # -----------------------------------------------------------------------------
 # Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024)
 
-def newton_schulz_wide(X, steps):
-    """The iteration on a batch of wide or square bf16 matrices (..., rows <= cols), each normalised on its
-    own; Muon compiles this part (one graph per stacked shape)."""
+def newton_schulz_wide(X, steps):  # on a stack of wide or square bf16 matrices, each normalised on its own
     a, b, c = 3.4445, -4.7750, 2.0315
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
@@ -153,27 +119,17 @@ def newton_schulz_wide(X, steps):
         X = a * X + B @ X
     return X
 
-def zeropower_via_newtonschulz5(G, steps):
-    """Roughly orthogonalise G: a quintic Newton-Schulz iteration whose coefficients are tuned to push
-    singular values towards 1 fast, not exactly (they land near 0.7 to 1.2). Runs in bfloat16."""
+def zeropower_via_newtonschulz5(G, steps):  # fast, rough orthogonalisation (bf16): singular values land in 0.7 to 1.2
     assert G.ndim == 2
     tall = G.size(0) > G.size(1)  # iterate on the smaller Gram matrix
     X = newton_schulz_wide((G.mT if tall else G).to(torch.bfloat16)[None], steps)[0]
     return X.mT if tall else X
 
 class Muon(torch.optim.Optimizer):
-    """SGD-momentum (Nesterov) whose update is orthogonalised, for the 2-D matrices of the blocks.
-
-    Distributed without sharding the state: parameters are grouped by shape, a tall matrix counted as its
-    wide transpose. Of a group, rank r takes matrices r, r+W, r+2W, ... (W = world size) and orthogonalises
-    them as one stacked bf16 batch; all ranks all-gather the batches. Each gather is asynchronous and
-    applied only after the later groups' batches are computed, so it overlaps them.
-    Gradients must already be averaged across ranks (DDP does it).
-    """
-
+    """SGD-momentum (Nesterov) with an orthogonalised update, for the blocks' matrices; gradients come averaged (DDP).
+    Unsharded state; per shape group, rank r of W orthogonalises matrices r, r+W, ... as one bf16 batch; all-gather."""
     def __init__(self, params, lr, momentum, nesterov=True, ns_steps=5, compiled=False):
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         params = list(params)
         wide = [tuple(sorted(p.shape)) for p in params]  # a tall matrix is stacked as its wide transpose
         shapes = sorted(set(wide), key=lambda s: (-s[0] * s[1], s))
@@ -181,14 +137,12 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
         # compiled as in record 18; static shapes: one graph per stacked shape, never a recompile per step
         self.iterate = torch.compile(newton_schulz_wide, dynamic=False) if compiled else newton_schulz_wide
-        # per group, allocated once and outside the state so that checkpoints stay small: this rank's
-        # stacked input, whose zero padding evens the shares (it orthogonalises to zero), and the gather
-        # buffer, whose slots [r * share, (r + 1) * share) receive rank r's batch
+        # per group, allocated once, outside the state (small checkpoints): this rank's stacked input, zero-padded
+        # to even shares (zero orthogonalises to zero), and the gather buffer: [r * share, (r + 1) * share) is rank r's
         shares = [math.ceil(len(g["params"]) / self.world_size) for g in groups]
         self.stacked = [params[0].new_zeros(n, *s, dtype=torch.bfloat16) for n, s in zip(shares, shapes)]
         self.gathered = [x.new_empty(self.world_size * len(x), *x.shape[1:]) if self.world_size > 1 else None
                          for x in self.stacked]
-
     @torch.no_grad()
     def step(self):
         launched = []
@@ -198,8 +152,7 @@ class Muon(torch.optim.Optimizer):
                 self._stack_updates(mine, group, stacked)
             orthogonalised, handle = self.iterate(stacked, group["ns_steps"]), None
             if self.world_size > 1:
-                handle = dist.all_gather_into_tensor(gathered, orthogonalised, async_op=True)
-                orthogonalised = gathered
+                handle, orthogonalised = dist.all_gather_into_tensor(gathered, orthogonalised, async_op=True), gathered
             launched.append((group, handle, orthogonalised))
         for group, handle, orthogonalised in launched:  # each gather has overlapped the later groups' batches
             if handle is not None:
@@ -207,37 +160,27 @@ class Muon(torch.optim.Optimizer):
             share = len(orthogonalised) // self.world_size
             for i, p in enumerate(group["params"]):  # matrix i is rank i % W's (i // W)-th
                 O = orthogonalised[i % self.world_size * share + i // self.world_size]
-                tall = p.size(0) > p.size(1)
                 scale = max(1, p.size(0) / p.size(1)) ** 0.5  # same RMS step for tall and wide matrices
-                p.add_(O.mT if tall else O, alpha=-group["lr"] * scale)
-
-    def _stack_updates(self, mine, group, stacked):
-        """Momentum for this rank's matrices, Nesterov's look-ahead written straight into the batch."""
+                p.add_(O.mT if p.size(0) > p.size(1) else O, alpha=-group["lr"] * scale)
+    def _stack_updates(self, mine, group, stacked):  # momentum, Nesterov's look-ahead straight into the batch
         assert all(p.grad is not None for p in mine), "Muon: a matrix received no gradient"
         for p in mine:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
-        grads = [p.grad for p in mine]
-        buffers = [self.state[p]["momentum_buffer"] for p in mine]
-        m = group["momentum"]
+        grads, buffers, m = [p.grad for p in mine], [self.state[p]["momentum_buffer"] for p in mine], group["momentum"]
         torch._foreach_lerp_(buffers, grads, 1 - m)  # buf = m*buf + (1-m)*g
         updates = torch._foreach_lerp(grads, buffers, m) if group["nesterov"] else buffers
         torch._foreach_copy_(stacked[:len(mine)].unbind(), [u.mT if u.size(0) > u.size(1) else u for u in updates])
 
 # -----------------------------------------------------------------------------
-# Kernels: faster forms of model pieces, each equal up to rounding to the plain expression it replaces
-# (tests/test_kernels.py). Before the model, which calls them; used only when an option asks.
+# Kernels: faster forms of model pieces, used only when an option asks; equal, up to rounding, to the plain expression
 
-# The head's loss (--fused_head_loss). The logits z = x W^T stay a cuBLAS product; one Triton kernel then reads each
-# row once for the softcap c = 15 tanh(z / 15) and the loss logsumexp(c) - c[target], and in training overwrites the
-# row with d(mean loss)/dz. HBM traffic: one read and one write of the bf16 logits (6.6 GB each per 64K-token
-# micro-batch); on an H100 that takes half the time of the compiled plain softcap and cross-entropy.
-
+# --fused_head_loss: z = x W^T by cuBLAS; a Triton kernel reads each row once for softcap c = 15t, t = tanh(z / 15), and
+# loss logsumexp(c) - c[target], in training overwriting it with d(mean loss)/dz: half the compiled plain's H100 time.
 @triton.jit
 def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale, VOCAB: tl.constexpr, ROWS: tl.constexpr,
                                     COLS: tl.constexpr, WRITE_GRAD: tl.constexpr, TANH_APPROX: tl.constexpr):
-    """ROWS rows per program, COLS columns at a time, in fp32; t = tanh(z / 15), c = 15t. Builtins only (tl.full,
-    tl.reduce): without TRITON_INTERPRET at import, the interpreter runs no jit helper (tl.zeros, tl.sum)."""
+    """ROWS x COLS at a time, in fp32. Builtins only: without TRITON_INTERPRET, the interpreter runs no jit helper."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row < rows
     row_start = logits + row.to(tl.int64) * VOCAB
@@ -279,30 +222,25 @@ def softcapped_cross_entropy_(logits, targets, grad_scale=None):
         kernel, launch, buffer = InterpretedFunction(kernel.fn), HEAD_LAUNCH_CPU, logits.float()
     losses = logits.new_empty(len(logits), dtype=torch.float32)
     with np.errstate(over="ignore"):  # numpy warns of exp(2z / 15) = inf, where tanh saturates as it should
-        kernel[(triton.cdiv(len(logits), launch["ROWS"]),)](buffer, targets.contiguous(), losses, len(logits),
-                                                            grad_scale or 0.0, VOCAB=logits.size(1),
-                                                            WRITE_GRAD=grad_scale is not None, **launch)
+        grid = (triton.cdiv(len(logits), launch["ROWS"]),)
+        kernel[grid](buffer, targets.contiguous(), losses, len(logits), grad_scale or 0.0, VOCAB=logits.size(1),
+                     WRITE_GRAD=grad_scale is not None, **launch)
     if grad_scale is not None and buffer is not logits:
         logits.copy_(buffer)
     return losses
 
-def matmul(a, b):
-    """a @ b in a's dtype; on CPU through fp32, which rounds as a bf16 GEMM does (those crawl on AVX2 CPUs)."""
-    if a.device.type == "cpu" and a.dtype == torch.bfloat16:
-        return (a.float() @ b.float()).type_as(a)
-    return a @ b
+def matmul(a, b):  # a @ b in a's dtype; on CPU via fp32, which rounds as a bf16 GEMM does (those crawl on AVX2 CPUs)
+    return (a.float() @ b.float()).type_as(a) if a.device.type == "cpu" and a.dtype == torch.bfloat16 else a @ b
 
 class FusedHeadLoss(torch.autograd.Function):
     """Forward leaves d(mean loss)/d logits in the logits' buffer; backward scales the two small products by the
     upstream gradient, never the logits. Gradients in x's dtype and W's fp32, as autograd makes them."""
-
     @staticmethod
     def forward(ctx, x, weight, targets):
         grad_logits = matmul(x, weight.type_as(x).T)  # the logits, until the kernel overwrites them
         loss = softcapped_cross_entropy_(grad_logits, targets, grad_scale=1 / x.size(0)).mean()
         ctx.save_for_backward(x, weight, grad_logits)
         return loss
-
     @staticmethod
     def backward(ctx, grad_loss):
         x, weight, grad_logits = ctx.saved_tensors
@@ -310,9 +248,8 @@ class FusedHeadLoss(torch.autograd.Function):
         grad_w = matmul(grad_logits.T, x).float().mul_(grad_loss) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
-# A deliberate graph break: traced, the in-place kernel would be functionalised, which may copy the 6.6 GB logits;
-# eager reuses the buffer for sure, and the products run on cuBLAS either way. torch.compiler.disable at the first
-# call: importing torch._dynamo on import would set TORCHINDUCTOR_CACHE_DIR and make its folder.
+# A deliberate graph break: traced, the in-place kernel would be functionalised, which may copy the 6.6 GB logits (the
+# products are cuBLAS either way). Not torch.compiler.disable: it imports torch._dynamo, which makes a cache folder.
 @torch._disable_dynamo
 def fused_head_loss(x, weight, targets):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -325,48 +262,34 @@ def fused_head_loss(x, weight, targets):
 def norm(x):
     return F.rms_norm(x, (x.size(-1),))  # no weight
 
-class CastedLinear(nn.Linear):
-    """Bias-free linear whose fp32 weight is cast to the activations' dtype at use."""
-
+class CastedLinear(nn.Linear):  # bias-free; its fp32 weight is cast to the activations' dtype at use
     def __init__(self, in_features, out_features, zero_init=False):
         super().__init__(in_features, out_features, bias=False)
         if zero_init:
             nn.init.zeros_(self.weight)
-
     def forward(self, x):
         return matmul(x, self.weight.type_as(x).T)
 
-class Rotary(nn.Module):
-    """Rotary position embedding (Su et al., RoFormer), half-truncated: half of the dimension pairs
-    rotate, the other half have frequency 0 and pass unchanged."""
-
+class Rotary(nn.Module):  # RoFormer (Su et al.), half-truncated: half the dimension pairs have frequency 0
     def __init__(self, head_dim, max_seq_len=65536):
         super().__init__()
-        quarter = head_dim // 4
-        freqs = (1 / 1024) ** torch.linspace(0, 1, quarter)
-        freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
+        freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, head_dim // 4), torch.zeros(head_dim // 4)])
         theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
         self.register_buffer("cos", theta.cos(), persistent=False)
         self.register_buffer("sin", theta.sin(), persistent=False)
-
     def forward(self, x):  # (batch, seq, heads, head_dim)
-        cos = self.cos[None, :x.size(1), None, :]
-        sin = self.sin[None, :x.size(1), None, :]
+        cos, sin = self.cos[None, :x.size(1), None, :], self.sin[None, :x.size(1), None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim, num_heads, fused_qkv=False):
         super().__init__()
-        self.num_heads, self.fused_qkv = num_heads, fused_qkv
-        self.head_dim = dim // num_heads
-        self.q = CastedLinear(dim, dim)
-        self.k = CastedLinear(dim, dim)
-        self.v = CastedLinear(dim, dim)
+        self.num_heads, self.head_dim, self.fused_qkv = num_heads, dim // num_heads, fused_qkv
+        self.q, self.k, self.v = CastedLinear(dim, dim), CastedLinear(dim, dim), CastedLinear(dim, dim)
         self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))  # mix of v and the value embedding
         self.rotary = Rotary(self.head_dim)
         self.proj = CastedLinear(dim, dim, zero_init=True)
-
     def forward(self, x, value_embed, mask):
         B, T, dim = x.shape
         if self.fused_qkv:  # one product; q, k, v stay three Parameters, so Muon treats each on its own
@@ -375,10 +298,9 @@ class CausalSelfAttention(nn.Module):
         else:
             q, k, v = (lin(x).view(B, T, self.num_heads, self.head_dim) for lin in (self.q, self.k, self.v))
         q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm (Dehghani et al., 2023)
+        v = self.lambdas[0] * v
         if value_embed is not None:
-            v = self.lambdas[0] * v + self.lambdas[1] * value_embed.view_as(v)
-        else:
-            v = self.lambdas[0] * v
+            v = v + self.lambdas[1] * value_embed.view_as(v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if isinstance(mask, BlockMask):
             y = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5)
@@ -392,7 +314,6 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = CastedLinear(dim, 4 * dim)
         self.proj = CastedLinear(4 * dim, dim, zero_init=True)
-
     def forward(self, x):
         return self.proj(F.relu(self.fc(x)).square())  # ReLU² (So et al., Primer, 2021)
 
@@ -402,7 +323,6 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(dim, num_heads, fused_qkv) if has_attention else None
         self.mlp = MLP(dim)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
-
     def forward(self, x, value_embed, x0, mask):
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
@@ -415,8 +335,7 @@ class GPT(nn.Module):
         super().__init__()
         self.num_layers, self.fused_head_loss = num_layers, fused_head_loss
         self.embed = nn.Embedding(vocab_size, model_dim)
-        # three value-embedding tables, used by the first three and the last three layers
-        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))
+        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))  # first, last 3 layers
         self.blocks = nn.ModuleList(Block(model_dim, num_heads, i != attention_free_layer, fused_qkv)
                                     for i in range(num_layers))
         self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))  # U-net: encoder i feeds decoder
@@ -424,23 +343,19 @@ class GPT(nn.Module):
         if bf16_embeds:
             for table in [self.embed, *self.value_embeds]:
                 table.bfloat16()
-
     @classmethod
     def from_args(cls, args, device=torch.device("cpu")):
         return cls(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
                    attention_free_layer=args.attention_free_layer, bf16_embeds=args.bf16_embeds,
                    fused_head_loss=switched_on(args.fused_head_loss, device), fused_qkv=args.fused_qkv)
-
     def value_embed_index(self, layer):  # tables 0, 1, 2 for the first three layers and again for the last three
         return layer if layer < 3 else layer - (self.num_layers - 3) if layer >= self.num_layers - 3 else None
-
     def forward(self, inputs, targets, window_blocks):
         assert inputs.ndim == 1, "one packed sequence per device"
         mask = build_block_mask(inputs, window_blocks) if inputs.is_cuda else build_dense_mask(inputs, window_blocks)
         value_embeds = [table(inputs) for table in self.value_embeds]
         x = x0 = norm(self.embed(inputs)[None])
-        half = self.num_layers // 2
-        skips = []
+        half, skips = self.num_layers // 2, []
         for i, block in enumerate(self.blocks):
             if i >= half:  # decoder: take the mirror-image encoder output
                 x = x + self.skip_weights[i - half] * skips.pop()
@@ -449,22 +364,19 @@ class GPT(nn.Module):
             if i < half:
                 skips.append(x)
         return self.head_loss(norm(x)[0], targets)
-
     def head_loss(self, x, targets):
         if self.fused_head_loss:  # same maths: softcap, loss and its gradient in one kernel (Kernels)
             return fused_head_loss(x, self.lm_head.weight, targets)
-        logits = self.lm_head(x)
-        logits = 15 * torch.tanh(logits / 15)  # logit softcap (as in Gemma 2)
+        logits = 15 * torch.tanh(self.lm_head(x) / 15)  # logit softcap (as in Gemma 2)
         return F.cross_entropy(logits.float(), targets)
 
 # -----------------------------------------------------------------------------
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
 
 def listed_rows(first, last, window_blocks):
-    """Per q-block (row), the kv blocks to visit, by arithmetic on each block's first and last doc id (both
-    nondecreasing): counts and index lists of the partial-not-full and of the full blocks. Documents are contiguous
-    and the window is a band, so row q's partial blocks are one run [start, q]; if q lies in one document, its full
-    blocks are the run [full_start, q), the others [start, full_start) and q. Entries past a row's count repeat q."""
+    """Per q-block (row), counts and lists of the partial and the full kv blocks, by arithmetic on each block's first
+    and last doc id (both nondecreasing). Contiguous documents, band window: row q's partial blocks are one run
+    [start, q] or, if q lies in one document, [start, full_start) and q; its full ones [full_start, q). Padding: q."""
     q = torch.arange(len(first), device=first.device)[:, None]
     start = torch.maximum(torch.searchsorted(last, first)[:, None], q - window_blocks + 1)  # reaches q's first doc
     full_start = torch.maximum(torch.searchsorted(first, first)[:, None], start)  # starts in q's doc
@@ -476,8 +388,7 @@ def listed_rows(first, last, window_blocks):
     partial_count = (q + 1 - start).clamp(min=0) - full_count
     return [t.to(torch.int32)[None, None].contiguous() for t in (partial_count[:, 0], partial, full_count[:, 0], full)]
 
-def build_block_mask(inputs, window_blocks):
-    """The FlexAttention mask, built without a sort: compiled, one can take forever (PyTorch issues 182060, 138514)."""
+def build_block_mask(inputs, window_blocks):  # no sort: compiled, one can take forever (PyTorch issues 182060, 138514)
     docs = (inputs == EOT).cumsum(0)
     first, last = docs[0::BLOCK_SIZE].contiguous(), docs[BLOCK_SIZE - 1::BLOCK_SIZE].contiguous()
     kv_lists, n = listed_rows(first, last, window_blocks), len(first)
@@ -485,16 +396,12 @@ def build_block_mask(inputs, window_blocks):
     # row r is our column n - 1 - r. Given to the constructor, as from_kv_blocks would derive them with a sort
     mirrored = listed_rows(-last.flip(0), -first.flip(0), window_blocks)
     q_lists = [t.flip(-1) if t.dim() == 3 else n - 1 - t.flip(-2) for t in mirrored]  # counts, index lists
-
     def document_causal(b, h, q_idx, kv_idx):  # the per-token test, needed in partial blocks only
         return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
-
     return BlockMask((len(inputs),) * 2, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE,) * 2, mask_mod=document_causal)
 
-def build_dense_mask(inputs, window_blocks):
-    """The same mask as a dense (T, T) boolean matrix, token by token, for attention on CPU."""
-    docs = (inputs == EOT).cumsum(0)
-    pos = torch.arange(len(inputs), device=inputs.device)
+def build_dense_mask(inputs, window_blocks):  # the same mask as a dense (T, T) boolean matrix, for attention on CPU
+    docs, pos = (inputs == EOT).cumsum(0), torch.arange(len(inputs), device=inputs.device)
     q, k = pos[:, None], pos[None, :]
     return (k <= q) & (k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks) & (docs[:, None] == docs[None, :])
 
@@ -502,19 +409,15 @@ def build_dense_mask(inputs, window_blocks):
 # Data: token shards and the loader every rank walks in step
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
-FINEWEB_SHARD_TOKENS = 100_000_000  # each FineWeb train shard on the hub
 REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
 
-def fetch_hint(num_iterations, batch_size):
-    """The command that fetches the FineWeb train shards a run reads (plus the val shard)."""
-    needed = -(-num_iterations // ((FINEWEB_SHARD_TOKENS - 2) // batch_size))  # whole batches per shard
-    if needed <= 1:
+def fetch_hint(num_iterations, batch_size):  # the command fetching the FineWeb shards a run reads (train and val)
+    needed = -(-num_iterations // ((100_000_000 - 2) // batch_size))  # whole batches per 100M-token FineWeb shard
+    if needed <= 1:  # else one spare shard, the record's usual advice (9 for the 8 that 1390 steps read)
         return "fetch FineWeb with `python data/cached_fineweb10B.py 1`"
-    # one spare shard, the record's usual advice (9 for the 8 that 1390 steps read)
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {needed + 1}` (this run reads {needed} train shards)"
 
-def read_shard_header(path):
-    """Validate a shard's header and size without reading its tokens; returns the token count."""
+def read_shard_header(path):  # validate a shard's header and size without reading its tokens; returns the token count
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
@@ -532,8 +435,7 @@ def read_shard_header(path):
 
 def load_data_shard(path):
     num_tokens = read_shard_header(path)
-    # pinned host memory makes the per-batch copies to the GPU truly asynchronous
-    tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=torch.cuda.is_available())
+    tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=torch.cuda.is_available())  # async copies to GPU
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         if f.readinto(tokens.numpy()) != 2 * num_tokens:
@@ -545,13 +447,10 @@ def write_data_shard(path, tokens):
     assert tokens.ndim == 1 and (tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < 2 ** 16))
     header = np.zeros(256, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
+    Path(path).write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
 
 def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
-    """Documents of 40 to 399 tokens, each led by EOT, walking a random Markov chain over `vocab` tokens with
-    `successors` equally likely next tokens: learnable to ln(successors) nats, far below ln(vocab)."""
+    """EOT-led documents of 40 to 399 tokens from a random Markov chain: learnable to ln(successors) << ln(vocab)."""
     table = np.random.default_rng(chain_seed).integers(0, vocab, size=(vocab, successors)).tolist()
     rng, tokens = np.random.default_rng(seed), []
     while len(tokens) < num_tokens:
@@ -563,8 +462,7 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     return np.array(tokens[:num_tokens])
 
 def prepare_shards(args, split, num_tokens):
-    """The shard pattern of a split. For "synthetic", first write the seeded Markov stream as one shard into
-    the log folder; ranks write identical bytes, each renaming its own temp file, so races are harmless."""
+    """A split's shard pattern; "synthetic": the seeded stream, written by each rank (same bytes, own temp file)."""
     pattern = getattr(args, f"{split}_files")
     if pattern != "synthetic":
         return pattern
@@ -575,9 +473,7 @@ def prepare_shards(args, split, num_tokens):
     os.replace(tmp, path)
     return glob.escape(str(path))
 
-class DistributedDataLoader:
-    """All ranks walk one global token stream; of each global batch, rank r takes the r-th share."""
-
+class DistributedDataLoader:  # all ranks walk one global token stream; of each batch, rank r takes the r-th share
     def __init__(self, files_pattern, rank, world_size, device, hint=None):
         self.files = sorted(glob.glob(files_pattern))
         if not self.files:
@@ -586,40 +482,30 @@ class DistributedDataLoader:
         self.sizes = [read_shard_header(path) for path in self.files]  # a bad shard fails now, not hours in
         self.rank, self.world_size, self.device = rank, world_size, device
         self.reset()
-
-    def batches_before_wrap(self, batch_size):
-        """Whole batches the shards give, in next_batch's way, before the stream starts over."""
+    def batches_before_wrap(self, batch_size):  # whole batches the shards give, taken as next_batch does, before a wrap
         for path, n in zip(self.files, self.sizes):
             if n < batch_size + 2:  # next_batch takes a batch while pos + batch + 1 < tokens
                 raise UserError(f"{path}: {n:,} tokens, fewer than one batch of {batch_size:,} + 2 "
                                 "(the last target and the loader's margin): use other shards or a smaller batch")
         return sum((n - 2) // batch_size for n in self.sizes)
-
-    def reset(self):
-        self._load(0)
-
-    def _load(self, shard):
-        self.shard, self.pos = shard, 0
-        self.tokens = load_data_shard(self.files[shard])
-
+    def reset(self, shard=0):  # to the start of a shard, the first by default
+        self.shard, self.pos, self.tokens = shard, 0, load_data_shard(self.files[shard])
     def next_batch(self, batch_size):
         if self.pos + batch_size + 1 >= len(self.tokens):  # train() checked that every shard holds a batch
-            self._load((self.shard + 1) % len(self.files))
+            self.reset((self.shard + 1) % len(self.files))
         share = batch_size // self.world_size
         start = self.pos + self.rank * share
         chunk = self.tokens[start:start + share + 1]
         self.pos += batch_size
-        inputs = chunk[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True)
-        targets = chunk[1:].to(device=self.device, dtype=torch.int64, non_blocking=True)
-        return inputs, targets
+        return (chunk[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True),  # inputs, targets
+                chunk[1:].to(device=self.device, dtype=torch.int64, non_blocking=True))
 
 # -----------------------------------------------------------------------------
 # Training loop
 
 UNTIMED_STEPS = 10  # the first steps compile and warm up; train_time starts after them
 
-def lr_multiplier(step, args):
-    """Stable, then linear decay to 0 over the last cooldown_frac of the steps."""
+def lr_multiplier(step, args):  # stable, then linear decay to 0 over the last cooldown_frac of the steps
     remaining = 1 - step / args.num_iterations
     return 1.0 if remaining >= args.cooldown_frac else remaining / args.cooldown_frac
 
@@ -627,22 +513,17 @@ def muon_momentum(step, args):
     frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps else 1
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
-def window_blocks_at(step, args):
-    """Attention window in whole blocks, growing linearly over training (1 to 14 blocks by default)."""
+def window_blocks_at(step, args):  # attention window in whole blocks, growing linearly (1 to 14 blocks by default)
     x = step / args.num_iterations
     return int(((1 - x) * args.window_start + x * args.window_end) // BLOCK_SIZE)
 
-def step_avg(train_time_ms, steps_done):
-    """Mean ms per timed step; the untimed warm-up steps are left out."""
+def step_avg(train_time_ms, steps_done):  # mean ms per timed step: the untimed warm-up steps are left out
     return train_time_ms / (steps_done - UNTIMED_STEPS) if steps_done > UNTIMED_STEPS else float("nan")
 
-def switched_on(option, device):
-    """An auto/true/false option; auto is on with CUDA, where it measured faster, and off on a CPU."""
+def switched_on(option, device):  # an auto/true/false option; auto: on with CUDA, where it measured faster, off on CPU
     return option == "true" or (option == "auto" and device.type == "cuda")
 
-def micro_batch_plan(args, world_size):
-    """Per-process micro-batch size and count for the fixed global batch, and the val batch (the process count
-    is known only here; check_hyperparameters did the rest)."""
+def micro_batch_plan(args, world_size):  # micro-batches per process, val batch: the checks that need the process count
     share, val_batch = args.batch_size // world_size, world_size * args.max_device_batch_size
     micro = min(args.max_device_batch_size, share)
     if args.batch_size % world_size:
@@ -656,8 +537,7 @@ def micro_batch_plan(args, world_size):
                         f"= {val_batch}")
     return micro, share // micro, val_batch
 
-def setup_device():
-    """Rank, world size and device, from torchrun's environment (a single process without it)."""
+def setup_device():  # rank, world size and device, from torchrun's environment (a single process without it)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if not torch.cuda.is_available():
         return rank, world_size, torch.device("cpu")
@@ -672,9 +552,7 @@ def setup_device():
     torch.cuda.set_device(device)
     return rank, world_size, device
 
-def build_loaders(args, rank, world_size, device, val_batch):
-    """Train and val loaders, with the data budget checked from the shard headers before step 1:
-    the loader itself would wrap around silently."""
+def build_loaders(args, rank, world_size, device, val_batch):  # budget checked from headers: loaders wrap silently
     hint = fetch_hint(args.num_iterations, args.batch_size)
     train_loader = DistributedDataLoader(prepare_shards(args, "train", args.num_iterations * args.batch_size + 2),
                                          rank, world_size, device, hint)
@@ -693,10 +571,8 @@ def build_loaders(args, rank, world_size, device, val_batch):
                         f"{val_batch:,}): lower --val_tokens, or add val shards")
     return train_loader, val_loader, passes
 
-class RunLog:
-    """Rank 0's log, logs/<uuid>.txt: the exact source, the environment and configuration, then the step lines.
-    The one place that opens, writes and closes it; an error that stops the run is its last line."""
-
+class RunLog(contextlib.AbstractContextManager):  # __enter__ returns self
+    """Rank 0's log, logs/<uuid>.txt: source, environment, configuration, steps, then any error that stops the run."""
     def __init__(self, args, master):
         self.file, self.run_id = None, str(uuid.uuid4())
         if master:
@@ -705,34 +581,27 @@ class RunLog:
             self.file = open(self.path, "w")
             print(f"logging to {self.path}")
             self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
-
     def __call__(self, line, console=True):
         if self.file:
             if console:
                 print(line)
             self.file.write(line + "\n")
             self.file.flush()
-
-    def __enter__(self):
-        return self
-
     def __exit__(self, kind, error, traceback):
         if isinstance(error, UserError):
             self(f"error: {error}", console=False)  # main() prints it
         if self.file:
             self.file.close()
-
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         lines = [f"Running Python {sys.version}", f"Running PyTorch {torch.__version__} compiled for CUDA "
                  f"{torch.version.cuda}", f"devices: {world_size} x {gpu}"]
         if shutil.which("nvidia-smi"):
             lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
-        self("\n".join([*lines, "=" * 100, "hyperparameters:"]), console=False)
-        for name, value in asdict(args).items():
-            self(f"  {name} = {value}", console=False)
-        for name, loader in (("train", train_loader), ("val", val_loader)):
-            self(f"{name} shards ({len(loader.files)}): {' '.join(loader.files)}", console=False)
+        lines += ["=" * 100, "hyperparameters:", *(f"  {name} = {value}" for name, value in asdict(args).items())]
+        lines += [f"{name} shards ({len(loader.files)}): {' '.join(loader.files)}"
+                  for name, loader in (("train", train_loader), ("val", val_loader))]
+        self("\n".join(lines), console=False)
         synthetic = "synthetic" in (args.train_files, args.val_files)
         self(f"data: {f'synthetic Markov-chain documents (seed {args.seed}), no download needed; ' * synthetic}"
              f"train {args.train_files}, val {args.val_files}; {args.num_iterations * args.batch_size:,} train tokens "
@@ -741,23 +610,18 @@ class RunLog:
             self(f"compile cache {args.compile_cache}: {cache_note}")
         self("=" * 100, console=False)
 
-def build_optimizers(model, args, compiled=False):
-    """Adam for embeddings, head and scalars; Muon for the matrices inside the blocks."""
-    adam_groups = [
-        dict(params=[model.embed.weight, *(t.weight for t in model.value_embeds)], lr=args.embed_lr),
-        dict(params=[model.lm_head.weight], lr=args.head_lr),
-        dict(params=[p for p in model.parameters() if p.ndim < 2], lr=args.scalar_lr),
-    ]
-    adam = torch.optim.Adam(adam_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)  # fused: CUDA and CPU
+def build_optimizers(model, args, compiled=False):  # fused Adam: embeddings, head, scalars; Muon: block matrices
+    adam_groups = [dict(params=[model.embed.weight, *(t.weight for t in model.value_embeds)], lr=args.embed_lr),
+                   dict(params=[model.lm_head.weight], lr=args.head_lr),
+                   dict(params=[p for p in model.parameters() if p.ndim < 2], lr=args.scalar_lr)]
+    adam = torch.optim.Adam(adam_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
     muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum, compiled=compiled)
-    for opt in (adam, muon):
-        for group in opt.param_groups:
-            group["initial_lr"] = group["lr"]
+    for group in (*adam.param_groups, *muon.param_groups):
+        group["initial_lr"] = group["lr"]
     return adam, muon
 
-def build_model(args, device, world_size, compiled):
-    """The model, its optimisers, and the (compiled, DDP-wrapped) module the loop calls."""
+def build_model(args, device, world_size, compiled):  # the model, its optimisers, the (compiled, DDP) module to call
     torch.manual_seed(args.seed)
     model = GPT.from_args(args, device).to(device)
     adam, muon = build_optimizers(model, args, compiled=compiled)
@@ -773,22 +637,18 @@ def build_model(args, device, world_size, compiled):
     return model, train_model, adam, muon
 
 def compile_regions(model):
-    """Regional compilation: each block compiled on its own, so Dynamo traces four block forms (the first, whose
-    input is x0 itself; with value embeddings; without; without attention) instead of all twelve blocks as one
-    graph; the head and its loss too. Blocks of one form share compiled code; the embeddings and mask run eagerly."""
+    """Four block forms traced (the first, input x0; value-embedded; plain; attention-free), not 12 blocks; head too."""
     for block in model.blocks:
         block.compile(dynamic=False)
     model.head_loss = torch.compile(model.head_loss, dynamic=False)
     return model
 
-def compile_cache_stamp(device):
-    """What compiled code depends on; a cache file made under another stamp is not used."""
+def compile_cache_stamp(device):  # what compiled code depends on: a cache file made under another stamp is not used
     triton = next((d.version for d in importlib.metadata.distributions(name="triton")), None)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, {gpu}"
 
-def load_compile_cache(path, stamp):
-    """Fill the local compile caches from a saved file; returns what happened, for the log."""
+def load_compile_cache(path, stamp):  # fill the compile caches from a saved file; returns what happened, for the log
     if not os.path.exists(path):
         return "not found; rank 0 writes it after step 1"
     try:
@@ -802,8 +662,7 @@ def load_compile_cache(path, stamp):
         return f"rejected: {type(e).__name__}: {e}"
     return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
-def save_compile_cache(path, stamp):
-    """Save what this process compiled: a temp file in the same folder renamed into place, never half a cache."""
+def save_compile_cache(path, stamp):  # a temp file in the same folder renamed into place: never half a cache
     tmp, artifacts = f"{path}.{os.getpid()}.tmp", (torch.compiler.save_cache_artifacts() or [b""])[0]
     try:
         Path(tmp).write_bytes(f"{stamp} sha256={hashlib.sha256(artifacts).hexdigest()}\n".encode() + artifacts)
@@ -812,8 +671,7 @@ def save_compile_cache(path, stamp):
         return f"not saved: {e}"
     return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
-def startup_report(args, compiled, stamp, master):
-    """Seconds from launch to the end of step 1 and, when compiling, the compile share and cache hits."""
+def startup_report(args, compiled, stamp, master):  # launch to step 1's end, and the compile share and cache hits
     line = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step 1"
     if compiled:  # compile time and the caches' own hit counts, from torch._dynamo
         spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)().get("total_wall_time", math.nan)
@@ -824,19 +682,17 @@ def startup_report(args, compiled, stamp, master):
             line += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
     return line
 
-def start_profiler(args, device, master):
-    """--profile N: rank 0 runs N train steps after warm-up (earlier in short runs) under torch.profiler."""
+def start_profiler(args, device, master):  # --profile N: N train steps on rank 0 after warm-up (earlier in short runs)
     if not (master and args.profile):
         return None
     wait = max(0, min(12, args.num_iterations - args.profile))
     cuda = [torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda],
-                                      schedule=torch.profiler.schedule(wait=wait, warmup=0, active=args.profile, repeat=1))
+    schedule = torch.profiler.schedule(wait=wait, warmup=0, active=args.profile, repeat=1)
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda], schedule=schedule)
     profiler.start()
     return profiler
 
-def report_profile(profiler, args, log, device):
-    """The trace beside the log; the top kernels into it as "profile:" lines, before the peak memory line."""
+def report_profile(profiler, args, log, device):  # the trace beside the log; top kernels into it as "profile:" lines
     trace_path = os.path.join(os.path.dirname(log.path), f"{log.run_id}.trace.json")
     profiler.stop()
     profiler.export_chrome_trace(trace_path)
@@ -875,11 +731,7 @@ def evaluate(model, loader, args, val_batch, window_blocks, world_size):
     model.eval()
     loader.reset()
     steps = args.val_tokens // val_batch
-    total = torch.zeros((), device=window_blocks.device)
-    for _ in range(steps):
-        inputs, targets = loader.next_batch(val_batch)
-        total += model(inputs, targets, window_blocks)
-    total /= steps
+    total = sum(model(*loader.next_batch(val_batch), window_blocks) for _ in range(steps)) / steps
     if world_size > 1:
         dist.all_reduce(total)  # gloo has no AVG
         total /= world_size
@@ -897,15 +749,13 @@ def train(args):
     rank, world_size, device = setup_device()
     micro, accum_steps, val_batch = micro_batch_plan(args, world_size)
     train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
-    compiled = switched_on(args.compile, device)
-    stamp = compile_cache_stamp(device)
+    compiled, stamp = switched_on(args.compile, device), compile_cache_stamp(device)
     cache_note = "ignored: compile is off"
     if args.compile_cache and compiled:  # every rank loads, before anything compiles
         cache_note = load_compile_cache(args.compile_cache, stamp)
     if world_size > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
-
     with RunLog(args, master=rank == 0) as log, out_of_memory_as_error(micro):
         log.header(args, world_size, device, train_loader, val_loader, passes, cache_note)
         model, train_model, adam, muon = build_model(args, device, world_size, compiled)
@@ -933,16 +783,13 @@ def train(args):
                 break
 
             inputs, targets = train_loader.next_batch(args.batch_size)
-            for i in range(accum_steps):
-                # gradients are all-reduced once per step, on the last micro-batch
+            for i in range(accum_steps):  # gradients are all-reduced once per step, on the last micro-batch
                 last_micro = i == accum_steps - 1
-                no_sync = train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
-                with no_sync:
+                with train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext():
                     part = slice(i * micro, (i + 1) * micro)
                     (train_model(inputs[part], targets[part], window_blocks) / accum_steps).backward()
-            for opt in (adam, muon):
-                for group in opt.param_groups:
-                    group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
+            for group in (*adam.param_groups, *muon.param_groups):
+                group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
             for group in muon.param_groups:
                 group["momentum"] = muon_momentum(step, args)
             adam.step()
@@ -955,7 +802,6 @@ def train(args):
             if step == 0:  # everything has compiled now: eval at step 0, model and optimisers in step 1
                 synchronize(device)
                 log(startup_report(args, compiled, stamp, master=rank == 0))
-
         if profiler:
             report_profile(profiler, args, log, device)
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
@@ -969,11 +815,9 @@ def train(args):
 # main
 
 def parse_bool(text):
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("1", "true", "yes", "on")
 
 def parse_args(argv=None):
     preset_parser = argparse.ArgumentParser(add_help=False)
@@ -981,12 +825,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="NanoGPT speedrun trainer. Every option has a default.",
                                      parents=[preset_parser])
     for f in fields(Hyperparameters):
-        kind = parse_bool if f.type is bool else f.type
-        parser.add_argument(f"--{f.name}", type=kind, default=f.default, metavar=f.type.__name__.upper(),
-                            help="default: %(default)s")
-    preset = preset_parser.parse_known_args(argv)[0].preset
-    if preset:
-        parser.set_defaults(**PRESETS[preset])
+        parser.add_argument(f"--{f.name}", type=parse_bool if f.type is bool else f.type, default=f.default,
+                            metavar=f.type.__name__.upper(), help="default: %(default)s")
+    parser.set_defaults(**PRESETS.get(preset_parser.parse_known_args(argv)[0].preset, {}))  # --preset's values, if any
     namespace = parser.parse_args(argv)
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
