@@ -412,7 +412,7 @@ SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
 REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
 
 def fetch_hint(num_iterations, batch_size):  # the command fetching the FineWeb shards a run reads (train and val)
-    needed = -(-num_iterations // ((100_000_000 - 2) // batch_size))  # whole batches per 100M-token FineWeb shard
+    needed = -(-num_iterations // max(1, (100_000_000 - 2) // batch_size))  # whole batches per 100M-token shard
     if needed <= 1:  # else one spare shard, the record's usual advice (9 for the 8 that 1390 steps read)
         return "fetch FineWeb with `python data/cached_fineweb10B.py 1`"
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {needed + 1}` (this run reads {needed} train shards)"
