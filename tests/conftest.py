@@ -68,12 +68,14 @@ class SmokeRuns:
             self.logs[name] = finished_log(log_dir)
         return self.logs[name]
 
-    # the same short run as 1 and as 2 processes on the Markov shards, and the whole smoke preset as
-    # 1 process with no data named (its built-in synthetic stream)
+    # the same short run as 1 and as 2 processes on the Markov shards, and the whole smoke preset as 1 process
+    # with no data named (its built-in synthetic stream). The short run's steps are half the preset's: 512
+    # tokens, 2 micro-batches of 256 on 1 process, 1 on each of 2; it validates on one sequence per process
     def short(self, nproc):
         extra = ["--save_checkpoint", "true"] if nproc == 1 else []
         return self.log(f"short_{nproc}proc", nproc, "--train_files", self.train, "--val_files", self.val,
-                        "--num_iterations", "8", "--val_loss_every", "4", *extra)
+                        "--num_iterations", "4", "--val_loss_every", "2", "--batch_size", "512",
+                        "--max_device_batch_size", "256", "--val_tokens", "512", *extra)
 
     def full(self):
         return self.log("full_1proc", 1)

@@ -195,11 +195,12 @@ def test_bad_arguments_are_errors_before_any_run(fake, tmp_path, capsys):
 
 
 def test_real_smoke_ab(tmp_path):
-    """One run each of the trainer's smoke preset, shrunk to 12 steps (2 of them timed)."""
+    """One run each of the trainer's smoke preset, shrunk to 12 steps (2 of them timed) of one 128-token
+    block through 6 layers of width 32."""
     out = tmp_path / "out"
     small = ["--preset", "smoke", "--num_iterations", "12", "--val_loss_every", "0",
-             "--num_layers", "6", "--model_dim", "64", "--batch_size", "256",
-             "--max_device_batch_size", "256", "--val_tokens", "256"]
+             "--num_layers", "6", "--model_dim", "32", "--batch_size", "128",
+             "--max_device_batch_size", "128", "--val_tokens", "128"]
     # one thread: on a shared CPU, more threads than free cores make a run many times slower
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(

@@ -103,10 +103,12 @@ def test_missing_data_asks_for_as_many_shards_as_the_run_reads(tmp_path, capsys)
 # --- the data budget, checked from the shard headers before step 1 ----------------------------------
 
 def smoke_on(tmp_path, markov_shards, *argv, train=None, val=None):
-    """main() on the smoke model with the given shards; returns its exit code and the log folder."""
+    """main() on the smoke model with the given shards, validating on one 512-token sequence; returns its
+    exit code and the log folder."""
     log_dir = tmp_path / "logs"
     code = train_gpt.main(["--preset", "smoke", "--train_files", train or markov_shards[0],
-                           "--val_files", val or markov_shards[1], "--log_dir", str(log_dir), *argv])
+                           "--val_files", val or markov_shards[1], "--log_dir", str(log_dir), "--val_tokens", "512",
+                           *argv])
     return code, log_dir
 
 

@@ -39,26 +39,26 @@ def test_log_has_source_header_and_parsable_step_lines(smoke_runs):
     lines, rest = step_lines(log)
     assert rest[2].startswith("Running Python ") and rest[3].startswith("Running PyTorch ")
     assert "devices: 1 x cpu" in rest
-    assert "  num_iterations = 8" in rest and any(r.startswith("train shards (2): ") for r in rest)
+    assert "  num_iterations = 4" in rest and any(r.startswith("train shards (2): ") for r in rest)
     steps = [int(TRAIN_LINE.match(x)[1]) for x in lines if TRAIN_LINE.match(x)]
-    assert steps == list(range(1, 9))
+    assert steps == list(range(1, 5))
     # launch-to-first-step, once, right after step 1; it cannot exceed the whole run
     startup = [i for i, line in enumerate(lines) if STARTUP_LINE.match(line)]
-    assert len(startup) == 1 and lines[startup[0] - 1].startswith("step:1/8 train_time:")
+    assert len(startup) == 1 and lines[startup[0] - 1].startswith("step:1/4 train_time:")
     assert 0 < float(STARTUP_LINE.match(lines[startup[0]])[1]) < 600
-    assert sorted(val_losses(log)) == [0, 4, 8]
+    assert sorted(val_losses(log)) == [0, 2, 4]
     # timing restarts at step 10: no timed steps yet, so step_avg is nan throughout this short run
     assert all(line.endswith("step_avg:nanms") for line in lines if not STARTUP_LINE.match(line))
 
 
 def test_two_processes_give_the_same_validation_losses_as_one(smoke_runs):
     one, two = val_losses(smoke_runs.short(1)), val_losses(smoke_runs.short(2))
-    assert sorted(one) == sorted(two) == [0, 4, 8]
+    assert sorted(one) == sorted(two) == [0, 2, 4]
     assert one[0] == two[0] == round(LN_VOCAB, 4)
     # same data, same global batch, same update; only the order of float sums differs
     for step in one:
         assert abs(one[step] - two[step]) < 2e-3, (step, one[step], two[step])
-    assert one[8] < one[0] - 1  # and it is not trivially equal because nothing moved
+    assert one[4] < one[0] - 1  # and it is not trivially equal because nothing moved
 
 
 def test_smoke_run_with_no_data_named_learns_its_synthetic_markov_chain(smoke_runs):
@@ -83,17 +83,17 @@ def test_checkpoint_is_the_final_model_and_reproduces_the_final_val_loss(smoke_r
     import train_gpt
 
     log = smoke_runs.short(1)
-    (checkpoint,) = log.parent.glob(f"{log.stem}/state_step000008.pt")
+    (checkpoint,) = log.parent.glob(f"{log.stem}/state_step000004.pt")
     state = torch.load(checkpoint)
-    assert state["step"] == 8 and state["code"] == SOURCE
+    assert state["step"] == 4 and state["code"] == SOURCE
     args = train_gpt.Hyperparameters(**state["args"])
     model = train_gpt.GPT.from_args(args)
     model.load_state_dict(state["model"])
     # the val loss recomputed here, chunk by chunk from the val tokens, must be the logged one
     val = torch.tensor(markov_shards[2][:args.val_tokens + 1])
-    window = torch.tensor(train_gpt.window_blocks_at(8, args), dtype=torch.int32)
+    window = torch.tensor(train_gpt.window_blocks_at(4, args), dtype=torch.int32)
     chunk = args.max_device_batch_size
     with torch.no_grad():
         losses = [model(val[i:i + chunk].int(), val[i + 1:i + chunk + 1], window)
                   for i in range(0, args.val_tokens, chunk)]
-    assert abs(torch.stack(losses).mean().item() - val_losses(log)[8]) < 1e-4
+    assert abs(torch.stack(losses).mean().item() - val_losses(log)[4]) < 1e-4

@@ -3,6 +3,7 @@
 from dataclasses import fields
 
 import pytest
+import torch
 
 import train_gpt
 from train_gpt import PRESETS, Hyperparameters, check_hyperparameters, parse_args, window_blocks_at
@@ -90,6 +91,24 @@ def test_defaults_presets_and_edge_values_pass():
     with pytest.raises(SystemExit) as info:  # a boolean that is not a true/false word never parses
         parse_args(["--bf16_embeds", "maybe"])
     assert info.value.code == 2
+
+
+def test_smoke_preset_uses_every_part_and_fits_1_2_4_or_8_processes():
+    """Small and short, but not so small that a part of the model or of the loop goes unused."""
+    args = parse_args(["--preset", "smoke"])
+    with torch.device("meta"):
+        model = train_gpt.GPT.from_args(args)
+    assert [block.attn is None for block in model.blocks].count(True) == 1  # the attention-free block
+    with_value_embeds = [i for i in range(len(model.blocks)) if model.value_embed_index(i) is not None]
+    assert 0 < len(with_value_embeds) < len(model.blocks) and len(model.skip_weights) >= 3  # U-net skips
+    for world_size in (1, 2, 4, 8):
+        micro, accum_steps, _ = train_gpt.micro_batch_plan(args, world_size)
+        assert micro * accum_steps * world_size == args.batch_size
+        assert accum_steps >= 2 or world_size > 1  # gradient accumulation on 1 process
+    # the window grows through several block counts while training, to the whole sequence at the end
+    windows = [window_blocks_at(step, args) for step in range(args.num_iterations + 1)]
+    assert windows == sorted(windows) and len(set(windows[:-1])) >= 3
+    assert windows[-1] * train_gpt.BLOCK_SIZE >= args.max_device_batch_size
 
 
 @pytest.mark.parametrize("start,end", [(128, 128), (128, 1856), (1856, 128), (200, 300)])
