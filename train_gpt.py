@@ -491,7 +491,7 @@ class DistributedDataLoader:  # all ranks walk one global token stream; of each 
     def reset(self, shard=0):  # to the start of a shard, the first by default
         self.shard, self.pos, self.tokens = shard, 0, load_data_shard(self.files[shard])
     def next_batch(self, batch_size):
-        if self.pos + batch_size + 1 >= len(self.tokens):  # train() checked that every shard holds a batch
+        if self.pos + batch_size + 1 >= len(self.tokens):  # build_loaders checked every shard holds a batch
             self.reset((self.shard + 1) % len(self.files))
         share = batch_size // self.world_size
         start = self.pos + self.rank * share

@@ -1,4 +1,5 @@
 """Shared fixtures: synthetic shards with learnable structure, and real runs of the trainer."""
+import importlib.util
 import math
 import os
 import subprocess
@@ -12,6 +13,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import train_gpt  # noqa: E402
+
+
+def load_records_script(name):
+    """records/NAME.py as a module (records/ is not a package); registered first, as dataclasses look their
+    module up in sys.modules."""
+    spec = importlib.util.spec_from_file_location(f"records_{name}", REPO / "records" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 # Documents of one fixed random Markov chain (4 successors per token): the trainer's own synthetic data,
 # learnable to about ln 4 = 1.39 nats, far below the unigram entropy (about ln 256 = 5.5)

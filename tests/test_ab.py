@@ -1,7 +1,6 @@
 """Tests for records/ab.py: the B/A verdict, alternation, the printed numbers, failures, and one
 real A/B of the smoke preset."""
 
-import importlib.util
 import math
 import os
 import re
@@ -10,14 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_records_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "ab.py"
 
-_spec = importlib.util.spec_from_file_location("records_ab", SCRIPT)
-ab = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = ab
-_spec.loader.exec_module(ab)
+ab = load_records_script("ab")
 
 # A stand-in trainer that writes a log in the trainer's format in a few milliseconds. Each run
 # appends its --tag to the --order file; the run's number (lines already there) shifts its

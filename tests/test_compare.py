@@ -1,6 +1,5 @@
 """Tests for records/compare.py: log parsing, the t-test, the report and the plot."""
 
-import importlib.util
 import math
 import re
 import subprocess
@@ -8,17 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_records_script
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "compare.py"
 
-# records/ is not a package: load the script as a module (registered first, as dataclasses
-# look their module up in sys.modules).
-_spec = importlib.util.spec_from_file_location("records_compare", SCRIPT)
-compare = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = compare
-_spec.loader.exec_module(compare)
+compare = load_records_script("compare")
 
 SUMMARY = re.compile(
     r"^n=(\d+) mean=(\d+\.\d{4}) std=(\d+\.\d{4}) t=(-?\d+\.\d{2}) "
