@@ -1,11 +1,18 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model on FineWeb-10B to 3.28 val loss, in one file.
-Run: torchrun --standalone --nproc_per_node=8 train_gpt.py (./run.sh); on a CPU: python train_gpt.py --preset smoke.
-In data-flow order: configuration, Muon, kernels, model, masks, data, training loop, main(). Nothing runs on import."""
+
+Run: ./run.sh (torchrun, one process per GPU); on a CPU: python train_gpt.py --preset smoke.
+In data-flow order: configuration, Muon, kernels, model, masks, data, training loop, main().
+Importing it runs nothing: tests import its parts.
+"""
 import time
+
 LAUNCH_TIME = time.time()  # before the heavy imports: start-up is counted from launch
-import argparse, contextlib, glob, hashlib, importlib.metadata, math, os, resource, shutil, subprocess, sys, uuid
+
+import argparse, contextlib, glob, hashlib, importlib.metadata, math, os, resource
+import shutil, subprocess, sys, uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
 import numpy as np
 import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -18,22 +25,26 @@ from triton.runtime.interpreter import InterpretedFunction
 
 @dataclass
 class Hyperparameters:
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # a glob of token shards, read in sorted file-name order
+    # data: globs of token shards, read in sorted file-name order
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
     val_tokens: int = 10_485_760  # the first 10,485,760 val tokens, fixed by the record rules
     allow_data_repeat: bool = False  # let a run read the train stream more than once (never a record)
+    # batch and schedule
     batch_size: int = 8 * 64 * 1024  # tokens per optimiser step, whatever the number of processes
     max_device_batch_size: int = 64 * 1024  # one packed sequence per forward; longer shares accumulate
     num_iterations: int = 1390
     cooldown_frac: float = 0.4  # last 40% of steps: learning rate decays linearly to 0
     window_start: int = 128  # attention window in tokens at step 0 ...
     window_end: int = 1856  # ... and at the end; // 128 gives 1 to 14 blocks
+    # model
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
     num_layers: int = 12
     num_heads: int = 6
     model_dim: int = 768
     attention_free_layer: int = 7  # this block has no attention (none if >= num_layers)
     bf16_embeds: bool = True
+    # optimisers
     embed_lr: float = 0.6
     head_lr: float = 0.008
     scalar_lr: float = 0.04
@@ -44,25 +55,32 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85
     muon_momentum: float = 0.95
     muon_momentum_warmup_steps: int = 300
+    # logging
     val_loss_every: int = 125  # 0: only after the last step
     log_dir: str = "logs"
     save_checkpoint: bool = False
+    # compilation and speed options
     compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
-    compile_tuning: bool = False  # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compile
+    # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compile
+    compile_tuning: bool = False
     compile_cache: str = ""  # a file: load compiled code from it before compiling, save it after step 1
-    regional_compile: bool = False  # compile each block and the head on its own: 4 block forms traced, not 12 blocks
+    # compile each block and the head on its own: 4 block forms traced, not 12 blocks
+    regional_compile: bool = False
     seed: int = 0
-    fused_head_loss: str = "auto"  # softcap, cross-entropy and its gradient in one Triton kernel; auto: with CUDA
+    # softcap, cross-entropy and its gradient in one Triton kernel; auto: with CUDA
+    fused_head_loss: str = "auto"
     fused_qkv: bool = False  # q, k, v as one product of the stacked weights (still three matrices for Muon)
     profile: int = 0  # profile this many train steps after warm-up: trace and top-kernel table in log_dir
 
 def check_hyperparameters(args):  # refuse any value that cannot work, naming the option and its valid range
     mdbs, heads = args.max_device_batch_size, args.num_heads
-    rules = [  # (fields, test of a value, valid range); in order: a test may use the fields checked above it
+    # (fields, test of a value, valid range); in order: a test may use the fields checked above it
+    rules = [
         ("train_files val_files", lambda v: v != "", "a glob of token shards or 'synthetic'"),
         ("batch_size", lambda v: v > 0 and v % BLOCK_SIZE == 0, f"a positive multiple of {BLOCK_SIZE}"),
+        # whole attention blocks, within Rotary's table
         ("max_device_batch_size", lambda v: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
-         f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),  # whole attention blocks, within Rotary's table
+         f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),
         ("val_tokens", lambda v: v > 0 and v % mdbs == 0, f"a positive multiple of --max_device_batch_size ({mdbs})"),
         ("num_iterations num_heads", lambda v: v >= 1, "at least 1"),
         ("val_loss_every attention_free_layer muon_momentum_warmup_steps profile", lambda v: v >= 0, "at least 0"),
@@ -73,10 +91,12 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
         ("num_layers", lambda v: v >= 6 and v % 2 == 0, "even, at least 6 (U-net halves, 3+3 value-embedded layers)"),
         ("model_dim", lambda v: v > 0 and v % (4 * heads) == 0,
          f"a positive multiple of 4 x --num_heads ({4 * heads}): heads of a size divisible by 4 (rotary)"),
-        ("embed_lr head_lr scalar_lr muon_lr", lambda v: 0 <= v < math.inf, "finite and at least 0"),  # 0: frozen
+        # 0 freezes a group
+        ("embed_lr head_lr scalar_lr muon_lr", lambda v: 0 <= v < math.inf, "finite and at least 0"),
         # 1 would never let a gradient into the running averages
         ("adam_beta1 adam_beta2 muon_momentum_start muon_momentum", lambda v: 0 <= v < 1, "at least 0 and below 1"),
-        ("adam_eps", lambda v: 0 < v < math.inf, "finite and above 0"),  # Adam's sqrt(v) + eps: v = 0 for unseen tokens
+        # Adam divides by sqrt(v) + eps, and v = 0 for tokens never seen
+        ("adam_eps", lambda v: 0 < v < math.inf, "finite and above 0"),
         ("log_dir", lambda v: v != "" and not os.path.isfile(v), "a folder name (not empty, not an existing file)"),
         ("compile fused_head_loss", lambda v: v in ("auto", "true", "false"), "auto (on with CUDA), true or false"),
         ("compile_cache", lambda v: not os.path.isdir(v), "a file name or '' (off), not a folder"),
@@ -87,12 +107,14 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
             if not valid(getattr(args, name)):
                 raise UserError(f"--{name} must be {allowed}; got {getattr(args, name)!r}")
 
-# A small model and a short run: under a minute on a 2-core CPU, every part exercised (tests/test_options.py). A CPU
-# step is mostly the 50,304-wide head: so few steps, and 8x the record's head lr, which learns the chain in 12 steps.
+# A small model and a short run: under a minute on a 2-core CPU, every part exercised (tests/test_options.py).
+# A CPU step is mostly the 50,304-wide head: so few steps, and 8x the record's head lr, which learns the chain
+# in 12 steps.
 PRESETS = {
     "smoke": dict(
         num_layers=8, num_heads=2, model_dim=64, head_lr=0.064,
-        batch_size=1024, max_device_batch_size=512,  # 2 micro-batches on 1 process; 1, 2, 4 or 8 processes all fit
+        # 2 micro-batches on 1 process; 1, 2, 4 or 8 processes all fit
+        batch_size=1024, max_device_batch_size=512,
         num_iterations=12, val_loss_every=4, val_tokens=4096,
         window_end=512 + 64,  # 1 to 4 blocks: the whole 512-token sequence at the end
         train_files="synthetic", val_files="synthetic",  # no download: see markov_stream
@@ -102,15 +124,18 @@ PRESETS = {
 BLOCK_SIZE = 128  # FlexAttention block; sequences are multiples of it
 EOT = 50256  # <|endoftext|>, precedes every document
 
-class UserError(Exception):  # one the user can fix (data, configuration, hardware): main() prints it, no traceback
+class UserError(Exception):
+    """One the user can fix (data, configuration, hardware): main() prints it, no traceback."""
     def __init__(self, message, every_rank=False):
         super().__init__(message)
-        self.every_rank = every_rank  # it may happen on one rank alone: print it there too, not on rank 0 only
+        # it may happen on one rank alone: print it there too, not on rank 0 only
+        self.every_rank = every_rank
 
 # -----------------------------------------------------------------------------
 # Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024)
 
-def newton_schulz_wide(X, steps):  # on a stack of wide or square bf16 matrices, each normalised on its own
+def newton_schulz_wide(X, steps):
+    """The iteration on a stack of wide or square bf16 matrices, each normalised on its own."""
     a, b, c = 3.4445, -4.7750, 2.0315
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
@@ -119,15 +144,17 @@ def newton_schulz_wide(X, steps):  # on a stack of wide or square bf16 matrices,
         X = a * X + B @ X
     return X
 
-def zeropower_via_newtonschulz5(G, steps):  # fast, rough orthogonalisation (bf16): singular values land in 0.7 to 1.2
+def zeropower_via_newtonschulz5(G, steps):
+    """Fast, rough orthogonalisation (bf16): singular values land in 0.7 to 1.2."""
     assert G.ndim == 2
     tall = G.size(0) > G.size(1)  # iterate on the smaller Gram matrix
     X = newton_schulz_wide((G.mT if tall else G).to(torch.bfloat16)[None], steps)[0]
     return X.mT if tall else X
 
 class Muon(torch.optim.Optimizer):
-    """SGD-momentum (Nesterov) with an orthogonalised update, for the blocks' matrices; gradients come averaged (DDP).
-    Unsharded state; per shape group, rank r of W orthogonalises matrices r, r+W, ... as one bf16 batch; all-gather."""
+    """SGD-momentum (Nesterov) with an orthogonalised update, for the blocks' matrices; gradients come
+    averaged (DDP). Unsharded state; per shape group, rank r of W orthogonalises matrices r, r+W, ... as one
+    bf16 batch, then all ranks all-gather the results."""
     def __init__(self, params, lr, momentum, nesterov=True, ns_steps=5, compiled=False):
         self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         params = list(params)
@@ -137,12 +164,14 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
         # compiled as in record 18; static shapes: one graph per stacked shape, never a recompile per step
         self.iterate = torch.compile(newton_schulz_wide, dynamic=False) if compiled else newton_schulz_wide
-        # per group, allocated once, outside the state (small checkpoints): this rank's stacked input, zero-padded
-        # to even shares (zero orthogonalises to zero), and the gather buffer: [r * share, (r + 1) * share) is rank r's
+        # Per group, allocated once, outside the state (small checkpoints): this rank's stacked input,
+        # zero-padded to even shares (zero orthogonalises to zero), and the gather buffer, where
+        # [r * share, (r + 1) * share) is rank r's
         shares = [math.ceil(len(g["params"]) / self.world_size) for g in groups]
         self.stacked = [params[0].new_zeros(n, *s, dtype=torch.bfloat16) for n, s in zip(shares, shapes)]
         self.gathered = [x.new_empty(self.world_size * len(x), *x.shape[1:]) if self.world_size > 1 else None
                          for x in self.stacked]
+
     @torch.no_grad()
     def step(self):
         launched = []
@@ -152,9 +181,11 @@ class Muon(torch.optim.Optimizer):
                 self._stack_updates(mine, group, stacked)
             orthogonalised, handle = self.iterate(stacked, group["ns_steps"]), None
             if self.world_size > 1:
-                handle, orthogonalised = dist.all_gather_into_tensor(gathered, orthogonalised, async_op=True), gathered
+                handle = dist.all_gather_into_tensor(gathered, orthogonalised, async_op=True)
+                orthogonalised = gathered
             launched.append((group, handle, orthogonalised))
-        for group, handle, orthogonalised in launched:  # each gather has overlapped the later groups' batches
+        # each gather has overlapped the later groups' batches
+        for group, handle, orthogonalised in launched:
             if handle is not None:
                 handle.wait()
             share = len(orthogonalised) // self.world_size
@@ -162,7 +193,9 @@ class Muon(torch.optim.Optimizer):
                 O = orthogonalised[i % self.world_size * share + i // self.world_size]
                 scale = max(1, p.size(0) / p.size(1)) ** 0.5  # same RMS step for tall and wide matrices
                 p.add_(O.mT if p.size(0) > p.size(1) else O, alpha=-group["lr"] * scale)
-    def _stack_updates(self, mine, group, stacked):  # momentum, Nesterov's look-ahead straight into the batch
+
+    def _stack_updates(self, mine, group, stacked):
+        """Momentum and Nesterov's look-ahead, written straight into this rank's stacked batch."""
         assert all(p.grad is not None for p in mine), "Muon: a matrix received no gradient"
         for p in mine:
             if "momentum_buffer" not in self.state[p]:
@@ -170,32 +203,38 @@ class Muon(torch.optim.Optimizer):
         grads, buffers, m = [p.grad for p in mine], [self.state[p]["momentum_buffer"] for p in mine], group["momentum"]
         torch._foreach_lerp_(buffers, grads, 1 - m)  # buf = m*buf + (1-m)*g
         updates = torch._foreach_lerp(grads, buffers, m) if group["nesterov"] else buffers
-        torch._foreach_copy_(stacked[:len(mine)].unbind(), [u.mT if u.size(0) > u.size(1) else u for u in updates])
+        wide = [u.mT if u.size(0) > u.size(1) else u for u in updates]
+        torch._foreach_copy_(stacked[:len(mine)].unbind(), wide)
 
 # -----------------------------------------------------------------------------
-# Kernels: faster forms of model pieces, used only when an option asks; equal, up to rounding, to the plain expression
+# Kernels: faster forms of model pieces, used only when an option asks; equal, up to rounding, to the plain
+# expression
 
-# --fused_head_loss: z = x W^T by cuBLAS; a Triton kernel reads each row once for softcap c = 15t, t = tanh(z / 15), and
-# loss logsumexp(c) - c[target], in training overwriting it with d(mean loss)/dz: half the compiled plain's H100 time.
+# --fused_head_loss: z = x W^T by cuBLAS; a Triton kernel reads each row once for softcap c = 15t, t = tanh(z / 15),
+# and loss logsumexp(c) - c[target], in training overwriting z with d(mean loss)/dz: half the H100 time of the
+# compiled plain head.
 @triton.jit
-def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale, VOCAB: tl.constexpr, ROWS: tl.constexpr,
-                                    COLS: tl.constexpr, WRITE_GRAD: tl.constexpr, TANH_APPROX: tl.constexpr):
-    """ROWS x COLS at a time, in fp32. Builtins only: without TRITON_INTERPRET, the interpreter runs no jit helper."""
+def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale, VOCAB: tl.constexpr,
+                                    ROWS: tl.constexpr, COLS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                                    TANH_APPROX: tl.constexpr):
+    """ROWS x COLS at a time, in fp32; builtins only (without TRITON_INTERPRET, no jit helper runs)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row < rows
     row_start = logits + row.to(tl.int64) * VOCAB
     target = tl.load(targets + row, mask=row_ok, other=0)
     total, c_target = tl.full([ROWS, COLS], 0, tl.float32), tl.full([ROWS, COLS], 0, tl.float32)
-    for sweep in tl.static_range(1 + WRITE_GRAD):  # 0: log-sum-exp and loss; 1: the row again, gradient
+    # sweep 0: log-sum-exp and loss; sweep 1: the row again, for the gradient
+    for sweep in tl.static_range(1 + WRITE_GRAD):
         for k in range(0, VOCAB, COLS):
-            start = k if sweep == 0 else (VOCAB - 1) // COLS * COLS - k  # backwards: the latest reads are in L2
+            # backwards in sweep 1: the latest reads are still in L2
+            start = k if sweep == 0 else (VOCAB - 1) // COLS * COLS - k
             col = start + tl.arange(0, COLS)
             col_ok = (col < VOCAB)[None, :]
             mask = row_ok[:, None] & col_ok
             z = tl.load(row_start[:, None] + col[None, :], mask=mask, other=0, eviction_policy="evict_last")
             if TANH_APPROX:  # CUDA: one instruction instead of exp and reciprocal, which bound the kernel
-                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [z.to(tl.float32) * (1 / 15)],
-                                              dtype=tl.float32, is_pure=True, pack=1)
+                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f",
+                                              [z.to(tl.float32) * (1 / 15)], dtype=tl.float32, is_pure=True, pack=1)
             else:
                 t = 1 - 2 / (1 + tl.exp(z.to(tl.float32) * (2 / 15)))
             is_target = col[None, :] == target[:, None]
@@ -205,42 +244,50 @@ def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale, V
             else:  # d loss/dz = (softmax(c) - onehot(target)) dc/dz, with dc/dz = 1 - t^2
                 p = tl.exp(15 * t - lse[:, None])
                 g = tl.where(is_target, p - 1, p) * (1 - t * t) * grad_scale
-                tl.store(row_start[:, None] + col[None, :], g, mask=mask, cache_modifier=".cs")  # L2 stays for reads
+                # streamed past L2, which stays for the reads
+                tl.store(row_start[:, None] + col[None, :], g, mask=mask, cache_modifier=".cs")
         if sweep == 0:
             lse = 15 + tl.log(tl.reduce(total, 1, tl.standard._sum_combine))
             tl.store(losses + row, lse - tl.reduce(c_target, 1, tl.standard._sum_combine), mask=row_ok)
 
 HEAD_LAUNCH_CUDA = dict(ROWS=1, COLS=4096, num_warps=16, TANH_APPROX=True)  # fastest measured on an H100
-HEAD_LAUNCH_CPU = dict(ROWS=64, COLS=2048, TANH_APPROX=False)  # the interpreter: numpy on large blocks, no PTX
+HEAD_LAUNCH_CPU = dict(ROWS=64, COLS=2048, TANH_APPROX=False)  # the interpreter: numpy on big blocks, no PTX
 
 def softcapped_cross_entropy_(logits, targets, grad_scale=None):
-    """Per-row losses of 15 tanh(logits / 15); with grad_scale, logits become grad_scale * d(sum of losses)/d logits.
-    CPU: Triton's interpreter (triton.jit chose the compiler at import; TRITON_INTERPRET would switch all kernels)."""
+    """Per-row losses of 15 tanh(logits / 15); with grad_scale, the logits become grad_scale * d(sum of
+    losses)/d logits. On CPU through Triton's interpreter (triton.jit chose the compiler at import, and
+    TRITON_INTERPRET would switch every kernel)."""
     assert logits.is_contiguous() and targets.dtype == torch.int64
     kernel, launch, buffer = softcapped_cross_entropy_kernel, HEAD_LAUNCH_CUDA, logits
-    if not logits.is_cuda:  # the interpreter's fp32 -> bf16 truncates: it works in fp32, torch rounds to nearest
+    # the interpreter's fp32 -> bf16 truncates: it works in fp32, and torch rounds to nearest
+    if not logits.is_cuda:
         kernel, launch, buffer = InterpretedFunction(kernel.fn), HEAD_LAUNCH_CPU, logits.float()
     losses = logits.new_empty(len(logits), dtype=torch.float32)
-    with np.errstate(over="ignore"):  # numpy warns of exp(2z / 15) = inf, where tanh saturates as it should
+    # numpy warns of exp(2z / 15) = inf, where tanh saturates as it should
+    with np.errstate(over="ignore"):
         grid = (triton.cdiv(len(logits), launch["ROWS"]),)
-        kernel[grid](buffer, targets.contiguous(), losses, len(logits), grad_scale or 0.0, VOCAB=logits.size(1),
-                     WRITE_GRAD=grad_scale is not None, **launch)
+        kernel[grid](buffer, targets.contiguous(), losses, len(logits), grad_scale or 0.0,
+                     VOCAB=logits.size(1), WRITE_GRAD=grad_scale is not None, **launch)
     if grad_scale is not None and buffer is not logits:
         logits.copy_(buffer)
     return losses
 
-def matmul(a, b):  # a @ b in a's dtype; on CPU via fp32, which rounds as a bf16 GEMM does (those crawl on AVX2 CPUs)
-    return (a.float() @ b.float()).type_as(a) if a.device.type == "cpu" and a.dtype == torch.bfloat16 else a @ b
+def matmul(a, b):
+    """a @ b in a's dtype; on CPU via fp32, which rounds as a bf16 GEMM does (those crawl on AVX2 CPUs)."""
+    if a.device.type == "cpu" and a.dtype == torch.bfloat16:
+        return (a.float() @ b.float()).type_as(a)
+    return a @ b
 
 class FusedHeadLoss(torch.autograd.Function):
-    """Forward leaves d(mean loss)/d logits in the logits' buffer; backward scales the two small products by the
-    upstream gradient, never the logits. Gradients in x's dtype and W's fp32, as autograd makes them."""
+    """Forward leaves d(mean loss)/d logits in the logits' buffer; backward scales the two small products by
+    the upstream gradient, never the logits. Gradients in x's dtype and W's fp32, as autograd makes them."""
     @staticmethod
     def forward(ctx, x, weight, targets):
         grad_logits = matmul(x, weight.type_as(x).T)  # the logits, until the kernel overwrites them
         loss = softcapped_cross_entropy_(grad_logits, targets, grad_scale=1 / x.size(0)).mean()
         ctx.save_for_backward(x, weight, grad_logits)
         return loss
+
     @staticmethod
     def backward(ctx, grad_loss):
         x, weight, grad_logits = ctx.saved_tensors
@@ -248,13 +295,15 @@ class FusedHeadLoss(torch.autograd.Function):
         grad_w = matmul(grad_logits.T, x).float().mul_(grad_loss) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
-# A deliberate graph break: traced, the in-place kernel would be functionalised, which may copy the 6.6 GB logits (the
-# products are cuBLAS either way). Not torch.compiler.disable: it imports torch._dynamo, which makes a cache folder.
+# A deliberate graph break: traced, the in-place kernel would be functionalised, which may copy the 6.6 GB
+# logits (the products are cuBLAS either way). Not torch.compiler.disable: it imports torch._dynamo, which
+# makes a cache folder.
 @torch._disable_dynamo
 def fused_head_loss(x, weight, targets):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return FusedHeadLoss.apply(x, weight, targets)
-    return softcapped_cross_entropy_(matmul(x, weight.type_as(x).T), targets).mean()  # eval: the loss only
+    # eval: the loss only
+    return softcapped_cross_entropy_(matmul(x, weight.type_as(x).T), targets).mean()
 
 # -----------------------------------------------------------------------------
 # The model: a U-net GPT with value embeddings
@@ -267,6 +316,7 @@ class CastedLinear(nn.Linear):  # bias-free; its fp32 weight is cast to the acti
         super().__init__(in_features, out_features, bias=False)
         if zero_init:
             nn.init.zeros_(self.weight)
+
     def forward(self, x):
         return matmul(x, self.weight.type_as(x).T)
 
@@ -277,6 +327,7 @@ class Rotary(nn.Module):  # RoFormer (Su et al.), half-truncated: half the dimen
         theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
         self.register_buffer("cos", theta.cos(), persistent=False)
         self.register_buffer("sin", theta.sin(), persistent=False)
+
     def forward(self, x):  # (batch, seq, heads, head_dim)
         cos, sin = self.cos[None, :x.size(1), None, :], self.sin[None, :x.size(1), None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -290,6 +341,7 @@ class CausalSelfAttention(nn.Module):
         self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))  # mix of v and the value embedding
         self.rotary = Rotary(self.head_dim)
         self.proj = CastedLinear(dim, dim, zero_init=True)
+
     def forward(self, x, value_embed, mask):
         B, T, dim = x.shape
         if self.fused_qkv:  # one product; q, k, v stay three Parameters, so Muon treats each on its own
@@ -314,6 +366,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = CastedLinear(dim, 4 * dim)
         self.proj = CastedLinear(4 * dim, dim, zero_init=True)
+
     def forward(self, x):
         return self.proj(F.relu(self.fc(x)).square())  # ReLU² (So et al., Primer, 2021)
 
@@ -323,6 +376,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(dim, num_heads, fused_qkv) if has_attention else None
         self.mlp = MLP(dim)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
+
     def forward(self, x, value_embed, x0, mask):
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
@@ -330,12 +384,13 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size, num_layers, num_heads, model_dim, *, attention_free_layer=7, bf16_embeds=True,
-                 fused_head_loss=False, fused_qkv=False):
+    def __init__(self, vocab_size, num_layers, num_heads, model_dim, *, attention_free_layer=7,
+                 bf16_embeds=True, fused_head_loss=False, fused_qkv=False):
         super().__init__()
         self.num_layers, self.fused_head_loss = num_layers, fused_head_loss
         self.embed = nn.Embedding(vocab_size, model_dim)
-        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))  # first, last 3 layers
+        # used by the first three layers and again by the last three
+        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))
         self.blocks = nn.ModuleList(Block(model_dim, num_heads, i != attention_free_layer, fused_qkv)
                                     for i in range(num_layers))
         self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))  # U-net: encoder i feeds decoder
@@ -343,16 +398,21 @@ class GPT(nn.Module):
         if bf16_embeds:
             for table in [self.embed, *self.value_embeds]:
                 table.bfloat16()
+
     @classmethod
     def from_args(cls, args, device=torch.device("cpu")):
         return cls(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
                    attention_free_layer=args.attention_free_layer, bf16_embeds=args.bf16_embeds,
                    fused_head_loss=switched_on(args.fused_head_loss, device), fused_qkv=args.fused_qkv)
-    def value_embed_index(self, layer):  # tables 0, 1, 2 for the first three layers and again for the last three
+
+    def value_embed_index(self, layer):
+        """Tables 0, 1, 2 for the first three layers and again for the last three; None between."""
         return layer if layer < 3 else layer - (self.num_layers - 3) if layer >= self.num_layers - 3 else None
+
     def forward(self, inputs, targets, window_blocks):
         assert inputs.ndim == 1, "one packed sequence per device"
-        mask = build_block_mask(inputs, window_blocks) if inputs.is_cuda else build_dense_mask(inputs, window_blocks)
+        build_mask = build_block_mask if inputs.is_cuda else build_dense_mask
+        mask = build_mask(inputs, window_blocks)
         value_embeds = [table(inputs) for table in self.value_embeds]
         x = x0 = norm(self.embed(inputs)[None])
         half, skips = self.num_layers // 2, []
@@ -364,6 +424,7 @@ class GPT(nn.Module):
             if i < half:
                 skips.append(x)
         return self.head_loss(norm(x)[0], targets)
+
     def head_loss(self, x, targets):
         if self.fused_head_loss:  # same maths: softcap, loss and its gradient in one kernel (Kernels)
             return fused_head_loss(x, self.lm_head.weight, targets)
@@ -374,11 +435,13 @@ class GPT(nn.Module):
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
 
 def listed_rows(first, last, window_blocks):
-    """Per q-block (row), counts and lists of the partial and the full kv blocks, by arithmetic on each block's first
-    and last doc id (both nondecreasing). Contiguous documents, band window: row q's partial blocks are one run
-    [start, q] or, if q lies in one document, [start, full_start) and q; its full ones [full_start, q). Padding: q."""
+    """Per q-block (row), counts and lists of the partial and the full kv blocks, by arithmetic on each
+    block's first and last doc id (both nondecreasing). Contiguous documents, band window: row q's partial
+    blocks are one run [start, q] or, if q lies in one document, [start, full_start) and q; its full ones
+    [full_start, q). Lists are padded with q."""
     q = torch.arange(len(first), device=first.device)[:, None]
-    start = torch.maximum(torch.searchsorted(last, first)[:, None], q - window_blocks + 1)  # reaches q's first doc
+    # the first block reaching q's first document, within the window
+    start = torch.maximum(torch.searchsorted(last, first)[:, None], q - window_blocks + 1)
     full_start = torch.maximum(torch.searchsorted(first, first)[:, None], start)  # starts in q's doc
     full_start = torch.where((first == last)[:, None], full_start, q + 1)
     full_count = (q - full_start).clamp(min=0)
@@ -386,21 +449,28 @@ def listed_rows(first, last, window_blocks):
     partial = torch.where(position < full_start - start, start + position, q)
     full = torch.where(position < full_count, full_start + position, q)
     partial_count = (q + 1 - start).clamp(min=0) - full_count
-    return [t.to(torch.int32)[None, None].contiguous() for t in (partial_count[:, 0], partial, full_count[:, 0], full)]
+    lists = (partial_count[:, 0], partial, full_count[:, 0], full)
+    return [t.to(torch.int32)[None, None].contiguous() for t in lists]
 
-def build_block_mask(inputs, window_blocks):  # no sort: compiled, one can take forever (PyTorch issues 182060, 138514)
+def build_block_mask(inputs, window_blocks):
+    """FlexAttention's block mask, built without a sort: compiled, a sort can take forever to build."""
     docs = (inputs == EOT).cumsum(0)
     first, last = docs[0::BLOCK_SIZE].contiguous(), docs[BLOCK_SIZE - 1::BLOCK_SIZE].contiguous()
     kv_lists, n = listed_rows(first, last, window_blocks), len(first)
-    # the q-side lists (backward pass) are the rows of the mirror image, blocks reversed and doc ids negated: its
-    # row r is our column n - 1 - r. Given to the constructor, as from_kv_blocks would derive them with a sort
+    # The q-side lists (backward pass) are the rows of the mirror image, blocks reversed and doc ids
+    # negated: its row r is our column n - 1 - r. Given to the constructor, as from_kv_blocks would derive
+    # them with a sort
     mirrored = listed_rows(-last.flip(0), -first.flip(0), window_blocks)
     q_lists = [t.flip(-1) if t.dim() == 3 else n - 1 - t.flip(-2) for t in mirrored]  # counts, index lists
+
     def document_causal(b, h, q_idx, kv_idx):  # the per-token test, needed in partial blocks only
         return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
-    return BlockMask((len(inputs),) * 2, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE,) * 2, mask_mod=document_causal)
 
-def build_dense_mask(inputs, window_blocks):  # the same mask as a dense (T, T) boolean matrix, for attention on CPU
+    return BlockMask((len(inputs),) * 2, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE,) * 2,
+                     mask_mod=document_causal)
+
+def build_dense_mask(inputs, window_blocks):
+    """The same mask as a dense (T, T) boolean matrix, for attention on CPU."""
     docs, pos = (inputs == EOT).cumsum(0), torch.arange(len(inputs), device=inputs.device)
     q, k = pos[:, None], pos[None, :]
     return (k <= q) & (k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks) & (docs[:, None] == docs[None, :])
@@ -411,18 +481,23 @@ def build_dense_mask(inputs, window_blocks):  # the same mask as a dense (T, T) 
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
 REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
 
-def fetch_hint(num_iterations, batch_size):  # the command fetching the FineWeb shards a run reads (train and val)
-    needed = -(-num_iterations // max(1, (100_000_000 - 2) // batch_size))  # whole batches per 100M-token shard
+def fetch_hint(num_iterations, batch_size):
+    """The command fetching the FineWeb shards a run reads (train and val)."""
+    batches_per_shard = max(1, (100_000_000 - 2) // batch_size)  # whole batches in a 100M-token shard
+    needed = -(-num_iterations // batches_per_shard)
     if needed <= 1:  # else one spare shard, the record's usual advice (9 for the 8 that 1390 steps read)
         return "fetch FineWeb with `python data/cached_fineweb10B.py 1`"
-    return f"fetch FineWeb with `python data/cached_fineweb10B.py {needed + 1}` (this run reads {needed} train shards)"
+    return (f"fetch FineWeb with `python data/cached_fineweb10B.py {needed + 1}` "
+            f"(this run reads {needed} train shards)")
 
-def read_shard_header(path):  # validate a shard's header and size without reading its tokens; returns the token count
+def read_shard_header(path):
+    """Validate a shard's header and size without reading its tokens; returns the token count."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
     if len(header) < 256:
-        raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the 1024-byte header); {REFETCH_HINT}")
+        raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the 1024-byte header); "
+                        f"{REFETCH_HINT}")
     if header[0] != SHARD_MAGIC:
         raise UserError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
     if header[1] != SHARD_VERSION:
@@ -435,7 +510,8 @@ def read_shard_header(path):  # validate a shard's header and size without readi
 
 def load_data_shard(path):
     num_tokens = read_shard_header(path)
-    tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=torch.cuda.is_available())  # async copies to GPU
+    # pinned with CUDA, for asynchronous copies to the GPU
+    tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=torch.cuda.is_available())
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         if f.readinto(tokens.numpy()) != 2 * num_tokens:
@@ -450,11 +526,12 @@ def write_data_shard(path, tokens):
     Path(path).write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
 
 def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
-    """EOT-led documents of 40 to 399 tokens from a random Markov chain: learnable to ln(successors) << ln(vocab)."""
+    """EOT-led documents of 40 to 399 tokens of a random Markov chain: learnable far below ln(vocab)."""
     table = np.random.default_rng(chain_seed).integers(0, vocab, size=(vocab, successors)).tolist()
     rng, tokens = np.random.default_rng(seed), []
     while len(tokens) < num_tokens:
-        state, choices = int(rng.integers(vocab)), rng.integers(successors, size=int(rng.integers(39, 399))).tolist()
+        state = int(rng.integers(vocab))  # then the length: the order of draws fixes the stream
+        choices = rng.integers(successors, size=int(rng.integers(39, 399))).tolist()
         tokens.append(EOT)
         for choice in choices:
             tokens.append(state)
@@ -462,18 +539,20 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     return np.array(tokens[:num_tokens])
 
 def prepare_shards(args, split, num_tokens):
-    """A split's shard pattern; "synthetic": the seeded stream, written by each rank (same bytes, own temp file)."""
+    """A split's shard glob; "synthetic": the seeded stream, written by each rank (same bytes, own file)."""
     pattern = getattr(args, f"{split}_files")
     if pattern != "synthetic":
         return pattern
-    path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / f"synthetic_{split}_{int(split == 'train'):06d}.bin"
+    name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
+    path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     write_data_shard(tmp, markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed))
     os.replace(tmp, path)
     return glob.escape(str(path))
 
-class DistributedDataLoader:  # all ranks walk one global token stream; of each batch, rank r takes the r-th share
+class DistributedDataLoader:
+    """All ranks walk one global token stream; of each batch, rank r takes the r-th share."""
     def __init__(self, files_pattern, rank, world_size, device, hint=None):
         self.files = sorted(glob.glob(files_pattern))
         if not self.files:
@@ -482,14 +561,18 @@ class DistributedDataLoader:  # all ranks walk one global token stream; of each 
         self.sizes = [read_shard_header(path) for path in self.files]  # a bad shard fails now, not hours in
         self.rank, self.world_size, self.device = rank, world_size, device
         self.reset()
-    def batches_before_wrap(self, batch_size):  # whole batches the shards give, taken as next_batch does, before a wrap
+
+    def batches_before_wrap(self, batch_size):
+        """Whole batches the shards give, taken as next_batch takes them, before the stream wraps."""
         for path, n in zip(self.files, self.sizes):
             if n < batch_size + 2:  # next_batch takes a batch while pos + batch + 1 < tokens
-                raise UserError(f"{path}: {n:,} tokens, fewer than one batch of {batch_size:,} + 2 "
-                                "(the last target and the loader's margin): use other shards or a smaller batch")
+                raise UserError(f"{path}: {n:,} tokens, fewer than one batch of {batch_size:,} + 2 (the last "
+                                "target and the loader's margin): use other shards or a smaller batch")
         return sum((n - 2) // batch_size for n in self.sizes)
+
     def reset(self, shard=0):  # to the start of a shard, the first by default
         self.shard, self.pos, self.tokens = shard, 0, load_data_shard(self.files[shard])
+
     def next_batch(self, batch_size):
         if self.pos + batch_size + 1 >= len(self.tokens):  # build_loaders checked every shard holds a batch
             self.reset((self.shard + 1) % len(self.files))
@@ -513,28 +596,32 @@ def muon_momentum(step, args):
     frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps else 1
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
-def window_blocks_at(step, args):  # attention window in whole blocks, growing linearly (1 to 14 blocks by default)
+def window_blocks_at(step, args):
+    """Attention window in whole blocks, growing linearly (1 to 14 blocks by default)."""
     x = step / args.num_iterations
     return int(((1 - x) * args.window_start + x * args.window_end) // BLOCK_SIZE)
 
 def step_avg(train_time_ms, steps_done):  # mean ms per timed step: the untimed warm-up steps are left out
     return train_time_ms / (steps_done - UNTIMED_STEPS) if steps_done > UNTIMED_STEPS else float("nan")
 
-def switched_on(option, device):  # an auto/true/false option; auto: on with CUDA, where it measured faster, off on CPU
+def switched_on(option, device):
+    """An auto/true/false option; auto: on with CUDA, where it measured faster, off on CPU."""
     return option == "true" or (option == "auto" and device.type == "cuda")
 
-def micro_batch_plan(args, world_size):  # micro-batches per process, val batch: the checks that need the process count
+def micro_batch_plan(args, world_size):
+    """Micro-batch size and count per process, and the val batch: the checks that need the process count."""
     share, val_batch = args.batch_size // world_size, world_size * args.max_device_batch_size
     micro = min(args.max_device_batch_size, share)
     if args.batch_size % world_size:
-        raise UserError(f"the global batch of {args.batch_size} tokens does not divide among {world_size} processes; "
-                        "use 1, 2, 4 or 8 processes, or a --batch_size divisible by the process count")
+        raise UserError(f"the global batch of {args.batch_size} tokens does not divide among {world_size} "
+                        "processes; use 1, 2, 4 or 8 processes, or a --batch_size divisible by the process count")
     if share % micro or micro % BLOCK_SIZE:
         raise UserError(f"each process's {share} tokens must split into equal micro-batches of at most "
-                        f"--max_device_batch_size {args.max_device_batch_size}, each a multiple of {BLOCK_SIZE}")
+                        f"--max_device_batch_size {args.max_device_batch_size}, each a multiple of "
+                        f"{BLOCK_SIZE}")
     if args.val_tokens % val_batch:
-        raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x --max_device_batch_size "
-                        f"= {val_batch}")
+        raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x "
+                        f"--max_device_batch_size = {val_batch}")
     return micro, share // micro, val_batch
 
 def setup_device():  # rank, world size and device, from torchrun's environment (a single process without it)
@@ -547,16 +634,18 @@ def setup_device():  # rank, world size and device, from torchrun's environment 
                         f"use --nproc_per_node={torch.cuda.device_count()} (the global batch stays the same)")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if torch.cuda.get_device_capability(device) < (8, 0):  # bf16 matrix units arrived with Ampere
-        raise UserError(f"{torch.cuda.get_device_name(device)} has no bf16 support, which this model computes in: "
-                        "it needs an Ampere or newer GPU (A100, A10, L4, L40S, RTX 30xx or later, H100)")
+        raise UserError(f"{torch.cuda.get_device_name(device)} has no bf16 support, which this model computes "
+                        "in: it needs an Ampere or newer GPU (A100, A10, L4, L40S, RTX 30xx or later, H100)")
     torch.cuda.set_device(device)
     return rank, world_size, device
 
-def build_loaders(args, rank, world_size, device, val_batch):  # budget checked from headers: loaders wrap silently
+def build_loaders(args, rank, world_size, device, val_batch):
+    """Train and val loaders, the data budget checked from the shard headers (the loaders wrap silently)."""
     hint = fetch_hint(args.num_iterations, args.batch_size)
-    train_loader = DistributedDataLoader(prepare_shards(args, "train", args.num_iterations * args.batch_size + 2),
-                                         rank, world_size, device, hint)
-    val_loader = DistributedDataLoader(prepare_shards(args, "val", args.val_tokens + 2), rank, world_size, device, hint)
+    train_pattern = prepare_shards(args, "train", args.num_iterations * args.batch_size + 2)
+    train_loader = DistributedDataLoader(train_pattern, rank, world_size, device, hint)
+    val_pattern = prepare_shards(args, "val", args.val_tokens + 2)
+    val_loader = DistributedDataLoader(val_pattern, rank, world_size, device, hint)
     train_batches = train_loader.batches_before_wrap(args.batch_size)
     passes = args.num_iterations / train_batches
     if passes > 1 and not args.allow_data_repeat:
@@ -571,8 +660,8 @@ def build_loaders(args, rank, world_size, device, val_batch):  # budget checked 
                         f"{val_batch:,}): lower --val_tokens, or add val shards")
     return train_loader, val_loader, passes
 
-class RunLog(contextlib.AbstractContextManager):  # __enter__ returns self
-    """Rank 0's log, logs/<uuid>.txt: source, environment, configuration, steps, then any error that stops the run."""
+class RunLog(contextlib.AbstractContextManager):
+    """Rank 0's log, logs/<uuid>.txt: source, environment, configuration, steps, any error that ended it."""
     def __init__(self, args, master):
         self.file, self.run_id = None, str(uuid.uuid4())
         if master:
@@ -581,53 +670,63 @@ class RunLog(contextlib.AbstractContextManager):  # __enter__ returns self
             self.file = open(self.path, "w")
             print(f"logging to {self.path}")
             self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+
     def __call__(self, line, console=True):
         if self.file:
             if console:
                 print(line)
             self.file.write(line + "\n")
             self.file.flush()
+
     def __exit__(self, kind, error, traceback):
         if isinstance(error, UserError):
             self(f"error: {error}", console=False)  # main() prints it
         if self.file:
             self.file.close()
+
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        lines = [f"Running Python {sys.version}", f"Running PyTorch {torch.__version__} compiled for CUDA "
-                 f"{torch.version.cuda}", f"devices: {world_size} x {gpu}"]
+        lines = [f"Running Python {sys.version}",
+                 f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+                 f"devices: {world_size} x {gpu}"]
         if shutil.which("nvidia-smi"):
             lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
-        lines += ["=" * 100, "hyperparameters:", *(f"  {name} = {value}" for name, value in asdict(args).items())]
+        lines += ["=" * 100, "hyperparameters:"]
+        lines += [f"  {name} = {value}" for name, value in asdict(args).items()]
         lines += [f"{name} shards ({len(loader.files)}): {' '.join(loader.files)}"
                   for name, loader in (("train", train_loader), ("val", val_loader))]
         self("\n".join(lines), console=False)
         synthetic = "synthetic" in (args.train_files, args.val_files)
-        self(f"data: {f'synthetic Markov-chain documents (seed {args.seed}), no download needed; ' * synthetic}"
-             f"train {args.train_files}, val {args.val_files}; {args.num_iterations * args.batch_size:,} train tokens "
-             f"read, {passes:.2f} passes over the train shards")
+        source = f"synthetic Markov-chain documents (seed {args.seed}), no download needed; " * synthetic
+        self(f"data: {source}train {args.train_files}, val {args.val_files}; "
+             f"{args.num_iterations * args.batch_size:,} train tokens read, "
+             f"{passes:.2f} passes over the train shards")
         if args.compile_cache:
             self(f"compile cache {args.compile_cache}: {cache_note}")
         self("=" * 100, console=False)
 
-def build_optimizers(model, args, compiled=False):  # fused Adam: embeddings, head, scalars; Muon: block matrices
-    adam_groups = [dict(params=[model.embed.weight, *(t.weight for t in model.value_embeds)], lr=args.embed_lr),
-                   dict(params=[model.lm_head.weight], lr=args.head_lr),
+def build_optimizers(model, args, compiled=False):
+    """Fused Adam for the embeddings, the head and the scalars; Muon for the blocks' matrices."""
+    tables = [model.embed.weight, *(t.weight for t in model.value_embeds)]
+    adam_groups = [dict(params=tables, lr=args.embed_lr), dict(params=[model.lm_head.weight], lr=args.head_lr),
                    dict(params=[p for p in model.parameters() if p.ndim < 2], lr=args.scalar_lr)]
-    adam = torch.optim.Adam(adam_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=True)
+    betas = (args.adam_beta1, args.adam_beta2)
+    adam = torch.optim.Adam(adam_groups, betas=betas, eps=args.adam_eps, fused=True)
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
     muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum, compiled=compiled)
     for group in (*adam.param_groups, *muon.param_groups):
         group["initial_lr"] = group["lr"]
     return adam, muon
 
-def build_model(args, device, world_size, compiled):  # the model, its optimisers, the (compiled, DDP) module to call
+def build_model(args, device, world_size, compiled):
+    """The model, its optimisers, and the module the step calls (compiled, wrapped in DDP)."""
     torch.manual_seed(args.seed)
     model = GPT.from_args(args, device).to(device)
     adam, muon = build_optimizers(model, args, compiled=compiled)
     train_model = model
     if compiled:
-        if args.compile_tuning:  # record 18 sets no inductor option; H100: first compile 514 s instead of 120 s
+        # record 18 sets no inductor option; on an H100 this made the first compile 514 s instead of 120 s
+        if args.compile_tuning:
             from torch._inductor import config as inductor_config
             inductor_config.coordinate_descent_tuning = True
         train_model = compile_regions(model) if args.regional_compile else torch.compile(model, dynamic=False)
@@ -637,41 +736,47 @@ def build_model(args, device, world_size, compiled):  # the model, its optimiser
     return model, train_model, adam, muon
 
 def compile_regions(model):
-    """Four block forms traced (the first, input x0; value-embedded; plain; attention-free), not 12 blocks; head too."""
+    """Each block and the head compiled alone: 4 block forms (x0 input, value-embedded, plain, no attention)."""
     for block in model.blocks:
         block.compile(dynamic=False)
     model.head_loss = torch.compile(model.head_loss, dynamic=False)
     return model
 
-def compile_cache_stamp(device):  # what compiled code depends on: a cache file made under another stamp is not used
+def compile_cache_stamp(device):
+    """What compiled code depends on: a cache file made under another stamp is not used."""
     triton = next((d.version for d in importlib.metadata.distributions(name="triton")), None)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, {gpu}"
 
-def load_compile_cache(path, stamp):  # fill the compile caches from a saved file; returns what happened, for the log
+def load_compile_cache(path, stamp):
+    """Fill the compile caches from a saved file; returns what happened, for the log."""
     if not os.path.exists(path):
         return "not found; rank 0 writes it after step 1"
     try:
         header, _, artifacts = Path(path).read_bytes().partition(b"\n")
         made_by, _, digest = header.decode(errors="replace").rpartition(" sha256=")
         if made_by != stamp:
-            return f"rejected: made by {made_by[:150]!r}, this run is {stamp!r}; rank 0 replaces it after step 1"
-        if hashlib.sha256(artifacts).hexdigest() != digest or torch.compiler.load_cache_artifacts(artifacts) is None:
+            return (f"rejected: made by {made_by[:150]!r}, this run is {stamp!r}; "
+                    "rank 0 replaces it after step 1")
+        intact = hashlib.sha256(artifacts).hexdigest() == digest
+        if not intact or torch.compiler.load_cache_artifacts(artifacts) is None:
             return "rejected: corrupt or unreadable; rank 0 replaces it after step 1"
     except Exception as e:  # a bad cache costs a compile, never the run
         return f"rejected: {type(e).__name__}: {e}"
     return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
-def save_compile_cache(path, stamp):  # a temp file in the same folder renamed into place: never half a cache
+def save_compile_cache(path, stamp):  # a temp file in the same folder, renamed into place: never half a cache
     tmp, artifacts = f"{path}.{os.getpid()}.tmp", (torch.compiler.save_cache_artifacts() or [b""])[0]
     try:
-        Path(tmp).write_bytes(f"{stamp} sha256={hashlib.sha256(artifacts).hexdigest()}\n".encode() + artifacts)
+        header = f"{stamp} sha256={hashlib.sha256(artifacts).hexdigest()}\n"
+        Path(tmp).write_bytes(header.encode() + artifacts)
         os.replace(tmp, path)
     except OSError as e:
         return f"not saved: {e}"
     return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
-def startup_report(args, compiled, stamp, master):  # launch to step 1's end, and the compile share and cache hits
+def startup_report(args, compiled, stamp, master):
+    """Seconds from launch to step 1's end, with the compile share and the caches' hits."""
     line = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step 1"
     if compiled:  # compile time and the caches' own hit counts, from torch._dynamo
         spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)().get("total_wall_time", math.nan)
@@ -682,23 +787,26 @@ def startup_report(args, compiled, stamp, master):  # launch to step 1's end, an
             line += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
     return line
 
-def start_profiler(args, device, master):  # --profile N: N train steps on rank 0 after warm-up (earlier in short runs)
+def start_profiler(args, device, master):
+    """--profile N: N train steps on rank 0 after warm-up (earlier in short runs)."""
     if not (master and args.profile):
         return None
     wait = max(0, min(12, args.num_iterations - args.profile))
     cuda = [torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")
     schedule = torch.profiler.schedule(wait=wait, warmup=0, active=args.profile, repeat=1)
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda], schedule=schedule)
+    activities = [torch.profiler.ProfilerActivity.CPU, *cuda]
+    profiler = torch.profiler.profile(activities=activities, schedule=schedule)
     profiler.start()
     return profiler
 
-def report_profile(profiler, args, log, device):  # the trace beside the log; top kernels into it as "profile:" lines
+def report_profile(profiler, args, log, device):
+    """The trace beside the log, and the top kernels into the log as "profile:" lines."""
     trace_path = os.path.join(os.path.dirname(log.path), f"{log.run_id}.trace.json")
     profiler.stop()
     profiler.export_chrome_trace(trace_path)
-    log(f"profile: {args.profile} step(s) from step {max(0, min(12, args.num_iterations - args.profile)) + 1} ran "
-        f"under the profiler, so the times above are not representative; trace for Perfetto or chrome://tracing: "
-        f"{trace_path}")
+    first = max(0, min(12, args.num_iterations - args.profile)) + 1
+    log(f"profile: {args.profile} step(s) from step {first} ran under the profiler, so the times above are "
+        f"not representative; trace for Perfetto or chrome://tracing: {trace_path}")
     kind = "device" if device.type == "cuda" else "cpu"
     for line in profiler.key_averages().table(sort_by=f"self_{kind}_time_total", row_limit=25).splitlines():
         log(f"profile: {line}", console=False)
@@ -709,22 +817,23 @@ def synchronize(device):
 
 def stop_if_diverged(val_loss, step):
     if not math.isfinite(val_loss):  # every rank sees the same reduced loss, so all stop here
-        raise UserError(f"val loss is {val_loss} at step {step}: training diverged, most likely a learning rate "
-                        "too high for this configuration (--muon_lr, --embed_lr, --head_lr, --scalar_lr)")
+        raise UserError(f"val loss is {val_loss} at step {step}: training diverged, most likely a learning "
+                        "rate too high for this configuration (--muon_lr, --embed_lr, --head_lr, --scalar_lr)")
 
 @contextlib.contextmanager
 def out_of_memory_as_error(micro):
     try:
         yield
     except torch.cuda.OutOfMemoryError:
-        raise UserError(f"out of GPU memory with micro-batches of {micro:,} tokens: pass --max_device_batch_size "
-                        f"{micro // 2} (half usually fits; the global batch and the maths stay the same)",
-                        every_rank=True) from None
+        raise UserError(f"out of GPU memory with micro-batches of {micro:,} tokens: pass "
+                        f"--max_device_batch_size {micro // 2} (half usually fits; the global batch and the "
+                        "maths stay the same)", every_rank=True) from None
 
 def peak_memory_mib(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() // 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # CPU: peak resident memory (KiB on Linux)
+    # CPU: peak resident memory, which Linux gives in KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 @torch.no_grad()
 def evaluate(model, loader, args, val_batch, window_blocks, world_size):
@@ -783,7 +892,8 @@ def train(args):
                 break
 
             inputs, targets = train_loader.next_batch(args.batch_size)
-            for i in range(accum_steps):  # gradients are all-reduced once per step, on the last micro-batch
+            # gradients are all-reduced once per step, on the last micro-batch
+            for i in range(accum_steps):
                 last_micro = i == accum_steps - 1
                 with train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext():
                     part = slice(i * micro, (i + 1) * micro)
@@ -795,8 +905,10 @@ def train(args):
             adam.step()
             muon.step()
             model.zero_grad(set_to_none=True)
-            approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: the step stays asynchronous
-            log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{step_avg(approx_ms, step + 1):.2f}ms")
+            # no sync: the step stays asynchronous, so this time is approximate
+            approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
+            average = step_avg(approx_ms, step + 1)
+            log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{average:.2f}ms")
             if profiler:
                 profiler.step()
             if step == 0:  # everything has compiled now: eval at step 0, model and optimisers in step 1
@@ -827,7 +939,8 @@ def parse_args(argv=None):
     for f in fields(Hyperparameters):
         parser.add_argument(f"--{f.name}", type=parse_bool if f.type is bool else f.type, default=f.default,
                             metavar=f.type.__name__.upper(), help="default: %(default)s")
-    parser.set_defaults(**PRESETS.get(preset_parser.parse_known_args(argv)[0].preset, {}))  # --preset's values, if any
+    # --preset's values, if any, replace the defaults
+    parser.set_defaults(**PRESETS.get(preset_parser.parse_known_args(argv)[0].preset, {}))
     namespace = parser.parse_args(argv)
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
