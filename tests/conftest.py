@@ -1,4 +1,5 @@
 """Shared fixtures: synthetic shards with learnable structure, and real runs of the trainer."""
+import ctypes
 import importlib.util
 import math
 import os
@@ -10,6 +11,13 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# CPU steps allocate logits of 100+ MB; glibc maps and zeroes each afresh, which was 40% of a smoke run (page
+# faults). Freed memory stays in the heap instead: in this process, and in every process the tests start
+MALLOC_KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2 ** 31 - 1), "MALLOC_TOP_PAD_": str(2 ** 28)}
+os.environ.update(MALLOC_KEEP)
+for option, name in ((-4, "MALLOC_MMAP_MAX_"), (-1, "MALLOC_TRIM_THRESHOLD_"), (-2, "MALLOC_TOP_PAD_")):
+    ctypes.CDLL(None).mallopt(option, int(MALLOC_KEEP[name]))  # M_MMAP_MAX, M_TRIM_THRESHOLD, M_TOP_PAD
 sys.path.insert(0, str(REPO))
 
 import train_gpt  # noqa: E402
@@ -69,27 +77,36 @@ class SmokeRuns:
     def __init__(self, shards, tmp_path_factory):
         self.train, self.val, _ = shards
         self.tmp = tmp_path_factory
-        self.logs = {}
+        self.logs, self.stdout = {}, {}
 
     def log(self, name, nproc, *extra):
         if name not in self.logs:
             log_dir = self.tmp.mktemp(name)
             result = run_trainer(["--preset", "smoke", "--log_dir", str(log_dir), *extra], nproc=nproc)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-            self.logs[name] = finished_log(log_dir)
+            self.logs[name], self.stdout[name] = finished_log(log_dir), result.stdout
         return self.logs[name]
 
-    # the same short run as 1 and as 2 processes on the Markov shards, and the whole smoke preset as 1 process
-    # with no data named (its built-in synthetic stream). The short run's steps are half the preset's: 512
-    # tokens, 2 micro-batches of 256 on 1 process, 1 on each of 2; it validates on one sequence per process
+    # the same short run as 1 and as 2 processes on the Markov shards: 4 steps of 256 tokens, 2 micro-batches
+    # of 128 on 1 process, 1 on each of 2; it validates on two sequences
     def short(self, nproc):
         extra = ["--save_checkpoint", "true"] if nproc == 1 else []
         return self.log(f"short_{nproc}proc", nproc, "--train_files", self.train, "--val_files", self.val,
-                        "--num_iterations", "4", "--val_loss_every", "2", "--batch_size", "512",
-                        "--max_device_batch_size", "256", "--val_tokens", "512", *extra)
+                        "--num_iterations", "4", "--val_loss_every", "2", "--batch_size", "256",
+                        "--max_device_batch_size", "128", "--val_tokens", "256", *extra)
 
+    # the whole smoke preset's training with no data named (its built-in synthetic stream); validation on 2
+    # sequences, not 8: evaluations were a third of the run
     def full(self):
-        return self.log("full_1proc", 1)
+        return self.log("full_1proc", 1, "--val_tokens", "1024")
+
+    # plain and fused head on 2 steps of one 128-token sequence: the interpreted kernel costs about 10 ms a row
+    # of 50,304 logits. The fused run is profiled too (the profiler does not change the maths)
+    def head(self, fused):
+        extra = ["--fused_head_loss", "true", "--profile", "1"] if fused else []
+        return self.log(f"head_{'fused' if fused else 'plain'}_1proc", 1, "--train_files", self.train,
+                        "--val_files", self.val, "--num_layers", "6", "--num_iterations", "2", "--val_loss_every",
+                        "2", "--batch_size", "128", "--max_device_batch_size", "128", "--val_tokens", "128", *extra)
 
 
 @pytest.fixture(scope="session")

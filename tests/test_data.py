@@ -103,8 +103,8 @@ def test_missing_data_asks_for_as_many_shards_as_the_run_reads(tmp_path, capsys)
 # --- the data budget, checked from the shard headers before step 1 ----------------------------------
 
 def smoke_on(tmp_path, markov_shards, *argv, train=None, val=None):
-    """main() on the smoke model with the given shards, validating on one 512-token sequence; returns its
-    exit code and the log folder."""
+    """main() on the smoke model with the given shards, validating on 512 tokens; returns its exit code and the
+    log folder."""
     log_dir = tmp_path / "logs"
     code = train_gpt.main(["--preset", "smoke", "--train_files", train or markov_shards[0],
                            "--val_files", val or markov_shards[1], "--log_dir", str(log_dir), "--val_tokens", "512",
@@ -132,16 +132,16 @@ def test_loader_gives_exactly_the_batches_the_budget_counts(tmp_path):
 
 
 def test_a_run_that_would_repeat_train_tokens_fails_unless_allowed(tmp_path, capsys, markov_shards):
-    run = ["--num_iterations", "2", "--val_loss_every", "0"]
+    run = ["--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128", "--max_device_batch_size", "128"]
     exact = tmp_path / "exact"
     exact.mkdir()
-    code, _ = smoke_on(exact, markov_shards, *run, train=stream_shards(exact, [2 * 1024 + 2]))
+    code, _ = smoke_on(exact, markov_shards, *run, train=stream_shards(exact, [2 * 128 + 2]))
     assert code == 0  # exactly the tokens present
     short = tmp_path / "short"
     short.mkdir()
-    pattern = stream_shards(short, [2 * 1024 + 1])  # one token fewer
+    pattern = stream_shards(short, [2 * 128 + 1])  # one token fewer
     err = run_main(capsys, "--preset", "smoke", "--train_files", pattern, "--val_files", markov_shards[1], *run)
-    assert "2 batches of 1,024" in err and "hold 2,049" in err and "--allow_data_repeat" in err
+    assert "2 batches of 128" in err and "hold 257" in err and "--allow_data_repeat" in err
     code, log_dir = smoke_on(short, markov_shards, *run, "--allow_data_repeat", "true", train=pattern)
     assert code == 0 and "2.00 passes over the train shards" in next(log_dir.glob("*.txt")).read_text()
 
@@ -156,7 +156,7 @@ def test_val_tokens_beyond_the_val_shards_fail_before_step_one(tmp_path, capsys,
 
 def test_a_diverging_run_stops_at_the_first_non_finite_val_loss(tmp_path, capsys, markov_shards):
     code, log_dir = smoke_on(tmp_path, markov_shards, "--embed_lr", "1e300", "--num_iterations", "6",
-                             "--val_loss_every", "2")
+                             "--val_loss_every", "2", "--batch_size", "128", "--max_device_batch_size", "128")
     err = capsys.readouterr().err
     assert code == 1 and "val loss is nan at step 2" in err and "learning rate" in err
     log = next(log_dir.glob("*.txt")).read_text().splitlines()  # kept, and it says why it ended

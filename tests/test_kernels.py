@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_trainer
 from test_end_to_end import val_losses
 
 import train_gpt
@@ -125,11 +124,8 @@ def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monk
 
 
 def test_smoke_run_with_the_fused_head_loss_has_the_plain_runs_val_losses(smoke_runs):
-    short = ["--train_files", smoke_runs.train, "--val_files", smoke_runs.val, "--num_iterations", "3",
-             "--val_loss_every", "3", "--val_tokens", "1024"]
-    plain = val_losses(smoke_runs.log("head_plain_1proc", 1, *short))
-    fused = val_losses(smoke_runs.log("head_fused_1proc", 1, *short, "--fused_head_loss", "true"))
-    assert sorted(plain) == sorted(fused) == [0, 3] and plain[3] < plain[0]
+    plain, fused = val_losses(smoke_runs.head(fused=False)), val_losses(smoke_runs.head(fused=True))
+    assert sorted(plain) == sorted(fused) == [0, 2] and plain[2] < plain[0]
     for step in plain:  # the same up to bf16 rounding (the plain path's softcap rounds to bf16)
         assert abs(fused[step] - plain[step]) < 3e-3, (step, fused[step], plain[step])
 
@@ -189,17 +185,11 @@ def test_fused_qkv_attention_matches_three_products_in_float32():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_profile_writes_a_trace_and_the_top_ops_table_into_the_log(markov_shards, tmp_path):
-    train, val, _ = markov_shards
-    # small: fp32 activations, one micro-batch per step, 6 layers of width 64; the speed options run through the CLI too
-    result = run_trainer(["--preset", "smoke", "--train_files", train, "--val_files", val, "--log_dir", str(tmp_path),
-                          "--bf16_embeds", "false", "--batch_size", "512", "--val_tokens", "512", "--num_layers", "6",
-                          "--model_dim", "64", "--num_iterations", "2", "--val_loss_every", "2", "--profile", "1",
-                          "--fused_head_loss", "true", "--fused_qkv", "true"])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (log,) = tmp_path.glob("*.txt")
+def test_profile_writes_a_trace_and_the_top_ops_table_into_the_log(smoke_runs):
+    log = smoke_runs.head(fused=True)  # 2 steps, --profile 1, with the fused head loss
+    stdout = smoke_runs.stdout["head_fused_1proc"]
     trace = log.with_suffix(".trace.json")
-    assert f"trace for Perfetto or chrome://tracing: {trace}" in result.stdout
+    assert f"trace for Perfetto or chrome://tracing: {trace}" in stdout
     assert len(json.loads(trace.read_text())["traceEvents"]) > 100
     profile = [line for line in log.read_text().splitlines() if line.startswith("profile: ")]
     assert profile[0].startswith("profile: 1 step(s) from step 2 ran under the profiler")  # min(12, 2 - 1) = 1

@@ -88,7 +88,8 @@ def test_no_inductor_option_is_changed_unless_asked(monkeypatch, markov_shards, 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
     run = ["--preset", "smoke", "--train_files", markov_shards[0], "--val_files", markov_shards[1],
-           "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "512", "--val_tokens", "512",
+           "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "128", "--max_device_batch_size", "128",
+           "--val_tokens", "128",
            "--compile", "true", "--log_dir", str(tmp_path)]
     assert train_gpt.main(run) == 0 and inductor_config.coordinate_descent_tuning is False
     assert train_gpt.main(run + ["--compile_tuning", "true"]) == 0 and inductor_config.coordinate_descent_tuning
