@@ -69,6 +69,7 @@ class Hyperparameters:
     seed: int = 0
     # softcap, cross-entropy and its gradient in one Triton kernel; auto: with CUDA
     fused_head_loss: str = "auto"
+    head_chunk_rows: int = 0  # fused head: logits this many rows at a time (0: the whole micro-batch at once)
     fused_qkv: bool = False  # q, k, v as one product of the stacked weights (still three matrices for Muon)
     profile: int = 0  # profile this many train steps after warm-up: trace and top-kernel table in log_dir
 
@@ -84,6 +85,7 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
         ("val_tokens", lambda v: v > 0 and v % mdbs == 0, f"a positive multiple of --max_device_batch_size ({mdbs})"),
         ("num_iterations num_heads", lambda v: v >= 1, "at least 1"),
         ("val_loss_every attention_free_layer muon_momentum_warmup_steps profile", lambda v: v >= 0, "at least 0"),
+        ("head_chunk_rows", lambda v: v >= 0, "at least 0 (0: the whole micro-batch at once)"),
         ("cooldown_frac", lambda v: 0 <= v <= 1, "from 0 (no decay) to 1 (decay from the first step)"),
         # the window, interpolated between these two, must hold at least one whole block at every step
         ("window_start window_end", lambda v: v >= BLOCK_SIZE, f"at least {BLOCK_SIZE} tokens (one attention block)"),
@@ -272,11 +274,11 @@ def softcapped_cross_entropy_(logits, targets, grad_scale=None):
         logits.copy_(buffer)
     return losses
 
-def matmul(a, b):
-    """a @ b in a's dtype; on CPU via fp32, which rounds as a bf16 GEMM does (those crawl on AVX2 CPUs)."""
+def matmul(a, b, out_dtype=None):
+    """a @ b in out_dtype (a's by default); bf16 on CPU via fp32 (bf16 GEMMs crawl on AVX2), same rounding."""
     if a.device.type == "cpu" and a.dtype == torch.bfloat16:
-        return (a.float() @ b.float()).type_as(a)
-    return a @ b
+        return (a.float() @ b.float()).to(out_dtype or a.dtype)
+    return a @ b if out_dtype in (None, a.dtype) else torch.mm(a, b, out_dtype=out_dtype)
 
 class FusedHeadLoss(torch.autograd.Function):
     """Forward leaves d(mean loss)/d logits in the logits' buffer; backward scales the two small products by
@@ -295,14 +297,35 @@ class FusedHeadLoss(torch.autograd.Function):
         grad_w = matmul(grad_logits.T, x).float().mul_(grad_loss) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
+class ChunkedHeadLoss(torch.autograd.Function):
+    """FusedHeadLoss by row chunks: forward makes grad_x and grad_W chunk by chunk, never all the logits."""
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk_rows):
+        w, loss, grad_w, grad_x = weight.type_as(x), 0, 0, torch.empty_like(x)
+        for xs, ts, gs in zip(x.split(chunk_rows), targets.split(chunk_rows), grad_x.split(chunk_rows)):
+            grad_logits = matmul(xs, w.T)
+            loss += softcapped_cross_entropy_(grad_logits, ts, grad_scale=1 / len(x)).sum()
+            gs.copy_(matmul(grad_logits, w))
+            grad_w += matmul(grad_logits.T, xs, out_dtype=torch.float32)  # fp32 products and sums, never bf16
+        ctx.save_for_backward(grad_x, grad_w)
+        return loss / len(x)
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # scales the saved gradients, as FusedHeadLoss scales its products
+        return *(grad * grad_loss for grad in ctx.saved_tensors), None, None
+
 # A deliberate graph break: traced, the in-place kernel would be functionalised, which may copy the 6.6 GB
 # logits (the products are cuBLAS either way). Not torch.compiler.disable: it imports torch._dynamo, which
 # makes a cache folder.
 @torch._disable_dynamo
-def fused_head_loss(x, weight, targets):
+def fused_head_loss(x, weight, targets, chunk_rows=0):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        if chunk_rows:
+            return ChunkedHeadLoss.apply(x, weight, targets, chunk_rows)
         return FusedHeadLoss.apply(x, weight, targets)
-    # eval: the loss only
+    if chunk_rows:  # eval: the loss only, in chunks as in training
+        w, parts = weight.type_as(x), zip(x.split(chunk_rows), targets.split(chunk_rows))
+        return torch.cat([softcapped_cross_entropy_(matmul(xs, w.T), ts) for xs, ts in parts]).mean()
     return softcapped_cross_entropy_(matmul(x, weight.type_as(x).T), targets).mean()
 
 # -----------------------------------------------------------------------------
@@ -385,9 +408,10 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab_size, num_layers, num_heads, model_dim, *, attention_free_layer=7,
-                 bf16_embeds=True, fused_head_loss=False, fused_qkv=False):
+                 bf16_embeds=True, fused_head_loss=False, fused_qkv=False, head_chunk_rows=0):
         super().__init__()
         self.num_layers, self.fused_head_loss = num_layers, fused_head_loss
+        self.head_chunk_rows = head_chunk_rows  # rows of logits at a time in the fused head (0: all)
         self.embed = nn.Embedding(vocab_size, model_dim)
         # used by the first three layers and again by the last three
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))
@@ -403,7 +427,8 @@ class GPT(nn.Module):
     def from_args(cls, args, device=torch.device("cpu")):
         return cls(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
                    attention_free_layer=args.attention_free_layer, bf16_embeds=args.bf16_embeds,
-                   fused_head_loss=switched_on(args.fused_head_loss, device), fused_qkv=args.fused_qkv)
+                   fused_head_loss=switched_on(args.fused_head_loss, device), fused_qkv=args.fused_qkv,
+                   head_chunk_rows=args.head_chunk_rows)
 
     def value_embed_index(self, layer):
         """Tables 0, 1, 2 for the first three layers and again for the last three; None between."""
@@ -427,7 +452,7 @@ class GPT(nn.Module):
 
     def head_loss(self, x, targets):
         if self.fused_head_loss:  # same maths: softcap, loss and its gradient in one kernel (Kernels)
-            return fused_head_loss(x, self.lm_head.weight, targets)
+            return fused_head_loss(x, self.lm_head.weight, targets, self.head_chunk_rows)
         logits = 15 * torch.tanh(self.lm_head(x) / 15)  # logit softcap (as in Gemma 2)
         return F.cross_entropy(logits.float(), targets)
 

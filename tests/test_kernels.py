@@ -99,6 +99,74 @@ def test_without_grad_the_kernel_computes_the_loss_only_and_leaves_the_logits(sm
     assert loss.item() == pytest.approx(plain_head_loss_float64(x, weight, targets)[0].item(), rel=1e-4)
 
 
+def recorded_kernel_rows(monkeypatch):
+    """The row count of every logits block the head kernel is given."""
+    kernel, rows = train_gpt.softcapped_cross_entropy_, []
+
+    def recording_kernel(logits, *args, **kwargs):
+        rows.append(len(logits))
+        return kernel(logits, *args, **kwargs)
+
+    monkeypatch.setattr(train_gpt, "softcapped_cross_entropy_", recording_kernel)
+    return rows
+
+
+# 37 rows in chunks of 16: 16, 16 and 5; a small vocabulary keeps the interpreter fast
+def test_chunked_head_loss_and_gradients_match_float64_and_the_unchunked_head(small_row_blocks, monkeypatch):
+    x, weight, targets = head_inputs(rows=37, dim=16, vocab=777, logit_scale=3.0, seed=5)
+    whole = fused_head_loss(x, weight, targets)
+    whole_grads = torch.autograd.grad(whole, (x, weight))
+    rows = recorded_kernel_rows(monkeypatch)
+    loss = fused_head_loss(x, weight, targets, chunk_rows=16)
+    grad_x, grad_w = torch.autograd.grad(loss, (x, weight))
+    assert rows == [16, 16, 5]
+    ref_loss, ref_grad_x, ref_grad_w = plain_head_loss_float64(x, weight, targets)
+    assert grad_x.dtype == torch.bfloat16 and grad_w.dtype == torch.float32
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-3  # bf16 logits, chunked or not
+    assert loss.item() == pytest.approx(whole.item(), rel=1e-6)  # only the order of the fp32 sum differs
+    assert relative_error(grad_x, ref_grad_x) < 1e-2
+    assert relative_error(grad_x, whole_grads[0].double()) < 1e-3  # the same rows' products
+    # summed in fp32, never rounded to bf16 as the unchunked product is: closer to float64 (0.002 against
+    # 0.0027; chunk products rounded to bf16 measured 0.0027 too)
+    assert relative_error(grad_w, ref_grad_w) < 0.9 * relative_error(whole_grads[1], ref_grad_w) < 1e-2
+    scaled = torch.autograd.grad(fused_head_loss(x, weight, targets, chunk_rows=16) / 8, (x, weight))
+    for grad, grad_of_eighth in zip((grad_x, grad_w), scaled):
+        assert torch.equal(grad_of_eighth * 8, grad)  # backward multiplies by the upstream gradient
+
+
+def test_chunked_head_saves_no_tensor_of_rows_by_vocab_for_backward(small_row_blocks):
+    rows, dim, vocab = 37, 16, 777
+    x, weight, targets = head_inputs(rows=rows, dim=dim, vocab=vocab, logit_scale=3.0, seed=6)
+    largest = {}
+    for chunk_rows in (0, 16):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            loss = fused_head_loss(x, weight, targets, chunk_rows=chunk_rows)
+        largest[chunk_rows] = max(saved)
+        torch.autograd.grad(loss, (x, weight))
+    assert largest[0] == rows * vocab  # unchunked: the gradient of the logits
+    assert largest[16] == vocab * dim < rows * vocab / 2  # chunked: grad_W, the largest of grad_x and grad_W
+
+
+def test_chunked_eval_loss_equals_the_unchunked_eval_loss(small_row_blocks, monkeypatch):
+    x, weight, targets = head_inputs(rows=37, dim=16, vocab=777, logit_scale=3.0, seed=7)
+    with torch.no_grad():
+        whole = fused_head_loss(x, weight, targets)
+        rows = recorded_kernel_rows(monkeypatch)
+        chunked = fused_head_loss(x, weight, targets, chunk_rows=16)
+    assert rows == [16, 16, 5] and chunked.grad_fn is None
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_head_chunk_rows_reaches_the_models_fused_head_from_the_command_line(monkeypatch):
+    options = "--preset smoke --vocab_size 1024 --fused_head_loss true --head_chunk_rows 64"  # fast to build
+    model = GPT.from_args(train_gpt.parse_args(options.split()))
+    rows = recorded_kernel_rows(monkeypatch)
+    x = torch.randn(100, 64, dtype=torch.bfloat16, requires_grad=True)
+    model.head_loss(x, torch.randint(0, 1024, (100,))).backward()
+    assert rows == [64, 36] and x.grad is not None and model.lm_head.weight.grad is not None
+
+
 def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monkeypatch):
     # the model is compiled on CUDA: fused_head_loss is a graph break there, the graphs around it must still connect
     x, weight, targets = head_inputs(rows=100, dim=32, vocab=777, logit_scale=3.0, seed=4)  # vocab: no multiple of 128

@@ -38,6 +38,7 @@ BAD = {
     "log_dir": ["", "{file}"],
     "compile": ["fast", "True"],
     "fused_head_loss": ["yes", "1"],
+    "head_chunk_rows": ["-1"],
     "compile_cache": ["{folder}"],
     "seed": ["-1", str(2 ** 64)],  # -1: a ValueError from numpy once
     "profile": ["-1"],
@@ -56,6 +57,7 @@ GOOD = {
     "batch_size": ["128"], "max_device_batch_size": ["128", "65536"], "num_iterations": ["1"],
     "val_tokens": ["65536"], "seed": [str(2 ** 64 - 1)], "compile": ["auto", "true", "false"],
     "fused_head_loss": ["auto", "true", "false"],
+    "head_chunk_rows": ["0", "1"],
     "compile_cache": ["", "cache.bin"], "log_dir": ["new/folder"],
 }
 
