@@ -26,8 +26,8 @@ for argv in {runs!r}:
     sys.argv = ["train_gpt.py", *argv]
     try:
         runpy.run_path("train_gpt.py", run_name="__main__")
-    except SystemExit as exit:
-        print("exit code", exit.code, flush=True)
+    except SystemExit as stop:
+        print("exit code", stop.code, flush=True)
 """
 
 
@@ -38,8 +38,8 @@ def test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss(
     result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON.format(runs=runs)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     out = result.stdout
-    assert out.count("exit code") == 2 and out.index("exit code 1") < out.index("step:")
-    assert out.rstrip().endswith("exit code 0"), result.stderr[-3000:]
+    assert out.count("exit code") == 2 and out.rstrip().endswith("exit code 0"), result.stderr[-3000:]
+    assert out.index("exit code 1") < out.index("step:")  # refused before any step
     assert float(out.split("step:1/1 val_loss:")[1].split()[0]) < LN_VOCAB  # it trained: below the step-0 loss
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr
