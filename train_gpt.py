@@ -9,7 +9,7 @@ import time
 LAUNCH_TIME = time.time()  # before the heavy imports: start-up is counted from launch
 
 import argparse, contextlib, glob, hashlib, importlib.metadata, math, os, resource
-import shutil, subprocess, sys, uuid
+import shutil, subprocess, sys, tempfile, uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -17,8 +17,11 @@ import numpy as np
 import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.nn.parallel import DistributedDataParallel as DDP
-import triton, triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+try:  # Linux only (no macOS or Windows wheels); without it, --fused_head_loss is off
+    import triton, triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:
+    triton = None
 
 # -----------------------------------------------------------------------------
 # Configuration
@@ -101,6 +104,8 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
         ("adam_eps", lambda v: 0 < v < math.inf, "finite and above 0"),
         ("log_dir", lambda v: v != "" and not os.path.isfile(v), "a folder name (not empty, not an existing file)"),
         ("compile fused_head_loss", lambda v: v in ("auto", "true", "false"), "auto (on with CUDA), true or false"),
+        ("fused_head_loss", lambda v: v != "true" or triton is not None, "auto or false: triton, which its "
+         "kernel needs, is not installed (`pip install -r requirements.txt` installs it, on Linux only)"),
         ("compile_cache", lambda v: not os.path.isdir(v), "a file name or '' (off), not a folder"),
         ("seed", lambda v: 0 <= v < 2 ** 64, "from 0 to 2**64 - 1 (torch.manual_seed's range)"),
     ]
@@ -215,42 +220,44 @@ class Muon(torch.optim.Optimizer):
 # --fused_head_loss: z = x W^T by cuBLAS; a Triton kernel reads each row once for softcap c = 15t, t = tanh(z / 15),
 # and loss logsumexp(c) - c[target], in training overwriting z with d(mean loss)/dz: half the H100 time of the
 # compiled plain head.
-@triton.jit
-def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale, VOCAB: tl.constexpr,
-                                    ROWS: tl.constexpr, COLS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                                    TANH_APPROX: tl.constexpr):
-    """ROWS x COLS at a time, in fp32; builtins only (without TRITON_INTERPRET, no jit helper runs)."""
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = row < rows
-    row_start = logits + row.to(tl.int64) * VOCAB
-    target = tl.load(targets + row, mask=row_ok, other=0)
-    total, c_target = tl.full([ROWS, COLS], 0, tl.float32), tl.full([ROWS, COLS], 0, tl.float32)
-    # sweep 0: log-sum-exp and loss; sweep 1: the row again, for the gradient
-    for sweep in tl.static_range(1 + WRITE_GRAD):
-        for k in range(0, VOCAB, COLS):
-            # backwards in sweep 1: the latest reads are still in L2
-            start = k if sweep == 0 else (VOCAB - 1) // COLS * COLS - k
-            col = start + tl.arange(0, COLS)
-            col_ok = (col < VOCAB)[None, :]
-            mask = row_ok[:, None] & col_ok
-            z = tl.load(row_start[:, None] + col[None, :], mask=mask, other=0, eviction_policy="evict_last")
-            if TANH_APPROX:  # CUDA: one instruction instead of exp and reciprocal, which bound the kernel
-                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f",
-                                              [z.to(tl.float32) * (1 / 15)], dtype=tl.float32, is_pure=True, pack=1)
-            else:
-                t = 1 - 2 / (1 + tl.exp(z.to(tl.float32) * (2 / 15)))
-            is_target = col[None, :] == target[:, None]
-            if sweep == 0:  # c < 15 bounds exp(c - 15) by 1: no running maximum needed
-                total += tl.where(col_ok, tl.exp(15 * t - 15), 0)
-                c_target += tl.where(is_target, 15 * t, 0)
-            else:  # d loss/dz = (softmax(c) - onehot(target)) dc/dz, with dc/dz = 1 - t^2
-                p = tl.exp(15 * t - lse[:, None])
-                g = tl.where(is_target, p - 1, p) * (1 - t * t) * grad_scale
-                # streamed past L2, which stays for the reads
-                tl.store(row_start[:, None] + col[None, :], g, mask=mask, cache_modifier=".cs")
-        if sweep == 0:
-            lse = 15 + tl.log(tl.reduce(total, 1, tl.standard._sum_combine))
-            tl.store(losses + row, lse - tl.reduce(c_target, 1, tl.standard._sum_combine), mask=row_ok)
+if triton is not None:
+    @triton.jit
+    def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale, VOCAB: tl.constexpr,
+                                        ROWS: tl.constexpr, COLS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                                        TANH_APPROX: tl.constexpr):
+        """ROWS x COLS at a time, in fp32; builtins only (without TRITON_INTERPRET, no jit helper runs)."""
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_ok = row < rows
+        row_start = logits + row.to(tl.int64) * VOCAB
+        target = tl.load(targets + row, mask=row_ok, other=0)
+        total, c_target = tl.full([ROWS, COLS], 0, tl.float32), tl.full([ROWS, COLS], 0, tl.float32)
+        # sweep 0: log-sum-exp and loss; sweep 1: the row again, for the gradient
+        for sweep in tl.static_range(1 + WRITE_GRAD):
+            for k in range(0, VOCAB, COLS):
+                # backwards in sweep 1: the latest reads are still in L2
+                start = k if sweep == 0 else (VOCAB - 1) // COLS * COLS - k
+                col = start + tl.arange(0, COLS)
+                col_ok = (col < VOCAB)[None, :]
+                mask = row_ok[:, None] & col_ok
+                z = tl.load(row_start[:, None] + col[None, :], mask=mask, other=0,
+                            eviction_policy="evict_last")
+                if TANH_APPROX:  # CUDA: one instruction instead of exp and reciprocal, which bound the kernel
+                    t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f",
+                                                  [z.to(tl.float32) * (1 / 15)], dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    t = 1 - 2 / (1 + tl.exp(z.to(tl.float32) * (2 / 15)))
+                is_target = col[None, :] == target[:, None]
+                if sweep == 0:  # c < 15 bounds exp(c - 15) by 1: no running maximum needed
+                    total += tl.where(col_ok, tl.exp(15 * t - 15), 0)
+                    c_target += tl.where(is_target, 15 * t, 0)
+                else:  # d loss/dz = (softmax(c) - onehot(target)) dc/dz, with dc/dz = 1 - t^2
+                    p = tl.exp(15 * t - lse[:, None])
+                    g = tl.where(is_target, p - 1, p) * (1 - t * t) * grad_scale
+                    # streamed past L2, which stays for the reads
+                    tl.store(row_start[:, None] + col[None, :], g, mask=mask, cache_modifier=".cs")
+            if sweep == 0:
+                lse = 15 + tl.log(tl.reduce(total, 1, tl.standard._sum_combine))
+                tl.store(losses + row, lse - tl.reduce(c_target, 1, tl.standard._sum_combine), mask=row_ok)
 
 HEAD_LAUNCH_CUDA = dict(ROWS=1, COLS=4096, num_warps=16, TANH_APPROX=True)  # fastest measured on an H100
 HEAD_LAUNCH_CPU = dict(ROWS=64, COLS=2048, TANH_APPROX=False)  # the interpreter: numpy on big blocks, no PTX
@@ -427,8 +434,8 @@ class GPT(nn.Module):
     def from_args(cls, args, device=torch.device("cpu")):
         return cls(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
                    attention_free_layer=args.attention_free_layer, bf16_embeds=args.bf16_embeds,
-                   fused_head_loss=switched_on(args.fused_head_loss, device), fused_qkv=args.fused_qkv,
-                   head_chunk_rows=args.head_chunk_rows)
+                   fused_head_loss=switched_on(args.fused_head_loss, device) and triton is not None,
+                   fused_qkv=args.fused_qkv, head_chunk_rows=args.head_chunk_rows)
 
     def value_embed_index(self, layer):
         """Tables 0, 1, 2 for the first three layers and again for the last three; None between."""
@@ -533,7 +540,8 @@ def read_shard_header(path):
                         f"but the file has {size} bytes (truncated or corrupt); {REFETCH_HINT}")
     return num_tokens
 
-def load_data_shard(path):
+def load_data_shard(path, vocab_size=None):
+    """With vocab_size, every id is checked on the host: on a GPU, a bad id is a device-side assert."""
     num_tokens = read_shard_header(path)
     # pinned with CUDA, for asynchronous copies to the GPU
     tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=torch.cuda.is_available())
@@ -541,6 +549,11 @@ def load_data_shard(path):
         f.seek(HEADER_BYTES)
         if f.readinto(tokens.numpy()) != 2 * num_tokens:
             raise UserError(f"{path}: file changed while reading")
+    if vocab_size is not None and num_tokens and (ids := tokens.numpy()).max() >= vocab_size:  # vectorised
+        at = int(np.argmax(ids >= vocab_size))  # the first bad id
+        raise UserError(f"{path}: token id {ids[at]} at position {at:,} is not below --vocab_size "
+                        f"{vocab_size}: shards made with another tokenizer (pass its --vocab_size), or a "
+                        "corrupt file (FineWeb: `python data/cached_fineweb10B.py N --verify` replaces it)")
     return tokens
 
 def write_data_shard(path, tokens):
@@ -563,6 +576,14 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
             state = table[state][choice]
     return np.array(tokens[:num_tokens])
 
+def make_writable_folder(folder, option):
+    """Make the folder if needed and write a file in it: an unusable place fails now, in one line."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UserError(f"{option}: cannot make or write to {folder} ({e.strerror}): pick another") from None
+
 def prepare_shards(args, split, num_tokens):
     """A split's shard glob; "synthetic": the seeded stream, written by each rank (same bytes, own file)."""
     pattern = getattr(args, f"{split}_files")
@@ -570,7 +591,7 @@ def prepare_shards(args, split, num_tokens):
         return pattern
     name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
     path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_writable_folder(path.parent, "--log_dir")
     tmp = f"{path}.{os.getpid()}.tmp"
     write_data_shard(tmp, markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed))
     os.replace(tmp, path)
@@ -578,13 +599,13 @@ def prepare_shards(args, split, num_tokens):
 
 class DistributedDataLoader:
     """All ranks walk one global token stream; of each batch, rank r takes the r-th share."""
-    def __init__(self, files_pattern, rank, world_size, device, hint=None):
+    def __init__(self, files_pattern, rank, world_size, device, hint=None, vocab_size=None):
         self.files = sorted(glob.glob(files_pattern))
         if not self.files:
             raise UserError(f"no data shard matches {files_pattern!r}: {hint or fetch_hint(1, 1)}, "
                             "or point --train_files/--val_files at your shards")
         self.sizes = [read_shard_header(path) for path in self.files]  # a bad shard fails now, not hours in
-        self.rank, self.world_size, self.device = rank, world_size, device
+        self.rank, self.world_size, self.device, self.vocab_size = rank, world_size, device, vocab_size
         self.reset()
 
     def batches_before_wrap(self, batch_size):
@@ -596,7 +617,7 @@ class DistributedDataLoader:
         return sum((n - 2) // batch_size for n in self.sizes)
 
     def reset(self, shard=0):  # to the start of a shard, the first by default
-        self.shard, self.pos, self.tokens = shard, 0, load_data_shard(self.files[shard])
+        self.shard, self.pos, self.tokens = shard, 0, load_data_shard(self.files[shard], self.vocab_size)
 
     def next_batch(self, batch_size):
         if self.pos + batch_size + 1 >= len(self.tokens):  # build_loaders checked every shard holds a batch
@@ -649,9 +670,23 @@ def micro_batch_plan(args, world_size):
                         f"--max_device_batch_size = {val_batch}")
     return micro, share // micro, val_batch
 
+def nvidia_smi_gpus():
+    """(name, driver version) of each GPU that nvidia-smi lists; none without nvidia-smi or its answer."""
+    query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        listed = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True).stdout
+        return [line.rpartition(", ")[::2] for line in listed.splitlines() if line.strip()]
+    return []
+
 def setup_device():  # rank, world size and device, from torchrun's environment (a single process without it)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if not torch.cuda.is_available():
+        if os.environ.get("CUDA_VISIBLE_DEVICES") != "" and (gpus := nvidia_smi_gpus()):
+            raise UserError(
+                f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only) cannot use the "
+                f"{len(gpus)} x {gpus[0][0]} nvidia-smi lists (driver {gpus[0][1]}): install a build for "
+                "this driver, e.g. `pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/"
+                'cu126`, or update the driver; CUDA_VISIBLE_DEVICES="" runs on the CPU on purpose')
         return rank, world_size, torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.device_count() < local_world:
@@ -668,9 +703,15 @@ def build_loaders(args, rank, world_size, device, val_batch):
     """Train and val loaders, the data budget checked from the shard headers (the loaders wrap silently)."""
     hint = fetch_hint(args.num_iterations, args.batch_size)
     train_pattern = prepare_shards(args, "train", args.num_iterations * args.batch_size + 2)
-    train_loader = DistributedDataLoader(train_pattern, rank, world_size, device, hint)
+    train_loader = DistributedDataLoader(train_pattern, rank, world_size, device, hint, args.vocab_size)
     val_pattern = prepare_shards(args, "val", args.val_tokens + 2)
-    val_loader = DistributedDataLoader(val_pattern, rank, world_size, device, hint)
+    val_loader = DistributedDataLoader(val_pattern, rank, world_size, device, hint, args.vocab_size)
+    for path in val_loader.files[1:]:  # the first is loaded and checked; val shards are few
+        load_data_shard(path, args.vocab_size)
+    train_paths = {os.path.realpath(path) for path in train_loader.files}
+    if in_both := train_paths & {os.path.realpath(path) for path in val_loader.files}:
+        raise UserError(f"{min(in_both)} is matched by both --train_files and --val_files: a run must never "
+                        "train on its validation data; narrow one of the globs")
     train_batches = train_loader.batches_before_wrap(args.batch_size)
     passes = args.num_iterations / train_batches
     if passes > 1 and not args.allow_data_repeat:
@@ -690,7 +731,7 @@ class RunLog(contextlib.AbstractContextManager):
     def __init__(self, args, master):
         self.file, self.run_id = None, str(uuid.uuid4())
         if master:
-            os.makedirs(args.log_dir, exist_ok=True)
+            make_writable_folder(args.log_dir, "--log_dir")
             self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
             self.file = open(self.path, "w")
             print(f"logging to {self.path}")
@@ -886,6 +927,7 @@ def train(args):
     compiled, stamp = switched_on(args.compile, device), compile_cache_stamp(device)
     cache_note = "ignored: compile is off"
     if args.compile_cache and compiled:  # every rank loads, before anything compiles
+        make_writable_folder(os.path.dirname(args.compile_cache) or ".", "--compile_cache")
         cache_note = load_compile_cache(args.compile_cache, stamp)
     if world_size > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",

@@ -12,6 +12,11 @@ import train_gpt
 from train_gpt import GPT, CausalSelfAttention, UserError, fused_head_loss, softcapped_cross_entropy_
 
 
+# the head-loss kernel is Triton's (through its interpreter on CPU); Linux only, as Triton's wheels are
+needs_triton = pytest.mark.skipif(train_gpt.triton is None, reason="triton is not installed (Linux only): the "
+                                  "fused head-loss kernel needs it")
+
+
 def relative_error(value, reference):
     return ((value.double() - reference).norm() / reference.norm()).item()
 
@@ -51,6 +56,7 @@ def small_row_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("logit_scale", [3.0, 1000.0])  # typical logits, and |z| ~ 1000 where tanh saturates
+@needs_triton
 def test_kernel_writes_the_loss_gradient_over_the_logits(small_row_blocks, logit_scale):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=logit_scale, seed=1)
     logits = (x.detach().float() @ weight.detach().bfloat16().float().T).bfloat16()
@@ -65,6 +71,7 @@ def test_kernel_writes_the_loss_gradient_over_the_logits(small_row_blocks, logit
 
 
 @pytest.mark.parametrize("logit_scale", [3.0, 1000.0])
+@needs_triton
 def test_fused_head_loss_and_gradients_match_the_plain_head_in_float64(small_row_blocks, logit_scale):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=logit_scale, seed=1)
     loss = fused_head_loss(x, weight, targets)
@@ -77,6 +84,7 @@ def test_fused_head_loss_and_gradients_match_the_plain_head_in_float64(small_row
     assert relative_error(grad_w, 2.5 * ref_grad_w) < 1e-2
 
 
+@needs_triton
 def test_upstream_gradient_scales_the_head_gradients_exactly(small_row_blocks):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=3.0, seed=2)
     grads = torch.autograd.grad(fused_head_loss(x, weight, targets), (x, weight))
@@ -85,6 +93,7 @@ def test_upstream_gradient_scales_the_head_gradients_exactly(small_row_blocks):
         assert torch.equal(grad_of_eighth * 8, grad)  # powers of two scale exactly
 
 
+@needs_triton
 def test_without_grad_the_kernel_computes_the_loss_only_and_leaves_the_logits(small_row_blocks):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=3.0, seed=3)
     logits = (x.detach().float() @ weight.detach().bfloat16().float().T).bfloat16()
@@ -112,6 +121,7 @@ def recorded_kernel_rows(monkeypatch):
 
 
 # 37 rows in chunks of 16: 16, 16 and 5; a small vocabulary keeps the interpreter fast
+@needs_triton
 def test_chunked_head_loss_and_gradients_match_float64_and_the_unchunked_head(small_row_blocks, monkeypatch):
     x, weight, targets = head_inputs(rows=37, dim=16, vocab=777, logit_scale=3.0, seed=5)
     whole = fused_head_loss(x, weight, targets)
@@ -134,6 +144,7 @@ def test_chunked_head_loss_and_gradients_match_float64_and_the_unchunked_head(sm
         assert torch.equal(grad_of_eighth * 8, grad)  # backward multiplies by the upstream gradient
 
 
+@needs_triton
 def test_chunked_head_saves_no_tensor_of_rows_by_vocab_for_backward(small_row_blocks):
     rows, dim, vocab = 37, 16, 777
     x, weight, targets = head_inputs(rows=rows, dim=dim, vocab=vocab, logit_scale=3.0, seed=6)
@@ -148,6 +159,7 @@ def test_chunked_head_saves_no_tensor_of_rows_by_vocab_for_backward(small_row_bl
     assert largest[16] == vocab * dim < rows * vocab / 2  # chunked: grad_W, the largest of grad_x and grad_W
 
 
+@needs_triton
 def test_chunked_eval_loss_equals_the_unchunked_eval_loss(small_row_blocks, monkeypatch):
     x, weight, targets = head_inputs(rows=37, dim=16, vocab=777, logit_scale=3.0, seed=7)
     with torch.no_grad():
@@ -158,6 +170,7 @@ def test_chunked_eval_loss_equals_the_unchunked_eval_loss(small_row_blocks, monk
     assert chunked.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
+@needs_triton
 def test_head_chunk_rows_reaches_the_models_fused_head_from_the_command_line(monkeypatch):
     options = "--preset smoke --vocab_size 1024 --fused_head_loss true --head_chunk_rows 64"  # fast to build
     model = GPT.from_args(train_gpt.parse_args(options.split()))
@@ -167,6 +180,7 @@ def test_head_chunk_rows_reaches_the_models_fused_head_from_the_command_line(mon
     assert rows == [64, 36] and x.grad is not None and model.lm_head.weight.grad is not None
 
 
+@needs_triton
 def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monkeypatch):
     # the model is compiled on CUDA: fused_head_loss is a graph break there, the graphs around it must still connect
     x, weight, targets = head_inputs(rows=100, dim=32, vocab=777, logit_scale=3.0, seed=4)  # vocab: no multiple of 128
@@ -191,6 +205,7 @@ def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monk
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@needs_triton
 def test_smoke_run_with_the_fused_head_loss_has_the_plain_runs_val_losses(smoke_runs):
     plain, fused = val_losses(smoke_runs.head(fused=False)), val_losses(smoke_runs.head(fused=True))
     assert sorted(plain) == sorted(fused) == [0, 2] and plain[2] < plain[0]
@@ -217,7 +232,7 @@ def plain_model_in_float64_and_bf16():  # shared by the options' tests
     return small_model_loss_and_grads(float64=True), small_model_loss_and_grads()
 
 
-@pytest.mark.parametrize("option", ["fused_head_loss", "fused_qkv"])
+@pytest.mark.parametrize("option", [pytest.param("fused_head_loss", marks=needs_triton), "fused_qkv"])
 def test_model_with_a_speed_option_is_as_close_to_float64_as_the_plain_model(monkeypatch, option):
     (ref_loss, ref_grads), (_, plain_grads) = plain_model_in_float64_and_bf16()
     kernel, calls = train_gpt.softcapped_cross_entropy_, []
@@ -253,6 +268,7 @@ def test_fused_qkv_attention_matches_three_products_in_float32():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@needs_triton
 def test_profile_writes_a_trace_and_the_top_ops_table_into_the_log(smoke_runs):
     log = smoke_runs.head(fused=True)  # 2 steps, --profile 1, with the fused head loss
     stdout = smoke_runs.stdout["head_fused_1proc"]
