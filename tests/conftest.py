@@ -1,4 +1,5 @@
 """Shared fixtures: synthetic shards with learnable structure, and real runs of the trainer."""
+import concurrent.futures
 import ctypes
 import importlib.util
 import math
@@ -54,15 +55,69 @@ def markov_shards(tmp_path_factory):
     return str(folder / "markov_train_*.bin"), str(folder / "markov_val_*.bin"), val
 
 
-def run_trainer(args, nproc=1, timeout=600):
-    """Run train_gpt.py as users do: plainly for one process, through torchrun for several."""
+def run_trainer(args, nproc=1, timeout=600, threads=None):
+    """Run train_gpt.py as users do: plainly for one process, through torchrun for several; `threads` per
+    process, by default the cores shared out."""
     if nproc == 1:
         cmd = [sys.executable, str(REPO / "train_gpt.py"), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / "train_gpt.py"), *args]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads or max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+class Background:
+    """Subprocess work run once, one job at a time in a thread, so that it overlaps the in-process tests (which
+    use the other core); keyed by name."""
+
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.futures = {}
+
+    def once(self, key, fn, *args, **kwargs):
+        if key not in self.futures:
+            self.futures[key] = self.pool.submit(fn, *args, **kwargs)
+        return self.futures[key]
+
+
+BACKGROUND = Background()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "background(start, ...): start(request) launches the test's subprocess "
+                            "work at session start; the test runs after the unmarked ones")
+
+
+def pytest_collection_modifyitems(items):
+    # stable: the tests awaiting background work come last, when that work has had time to finish
+    items.sort(key=lambda item: item.get_closest_marker("background") is not None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launch_background_work(request):
+    """Calls, once each, the starters named by the collected tests' `background` marks."""
+    def skipped(item):  # a test skipped here (no triton, say) needs no runs
+        return any(mark.args and mark.args[0] for mark in item.iter_markers("skipif"))
+
+    marks = [mark for item in request.session.items if not skipped(item) for mark in item.iter_markers("background")]
+    starters = [start for mark in marks for start in mark.args]
+    for start in dict.fromkeys(starters):
+        start(request)
+    if starters:
+        # one core each: two threads here, on a busy core, stall at every parallel op (tens of ms)
+        train_gpt.torch.set_num_threads(1)
+    yield
+    BACKGROUND.pool.shutdown(wait=False, cancel_futures=True)  # after a stop (-x, Ctrl-C): no new runs
+
+
+def smoke_marked(*runs):
+    """A `background` mark launching SmokeRuns' runs, each (method name, args...), at session start."""
+    def start(request):
+        smoke_runs = request.getfixturevalue("smoke_runs")
+        for method, *args in runs:
+            smoke_runs.launch(getattr(smoke_runs, method), *args)
+    return pytest.mark.background.with_args(start)
 
 
 def finished_log(log_dir):
@@ -78,14 +133,29 @@ class SmokeRuns:
         self.train, self.val, _ = shards
         self.tmp = tmp_path_factory
         self.logs, self.stdout = {}, {}
+        self.runs, self.launching = {}, False
 
     def log(self, name, nproc, *extra):
-        if name not in self.logs:
+        if name not in self.runs:
             log_dir = self.tmp.mktemp(name)
-            result = run_trainer(["--preset", "smoke", "--log_dir", str(log_dir), *extra], nproc=nproc)
+            args = ["--preset", "smoke", "--log_dir", str(log_dir), *extra]
+            self.runs[name] = log_dir, BACKGROUND.once(name, run_trainer, args, nproc, threads=1)
+        if self.launching:
+            return None
+        if name not in self.logs:
+            log_dir, run = self.runs[name]
+            result = run.result()
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
             self.logs[name], self.stdout[name] = finished_log(log_dir), result.stdout
         return self.logs[name]
+
+    def launch(self, method, *args):
+        """Start a run in the background, without waiting for it."""
+        self.launching = True
+        try:
+            method(*args)
+        finally:
+            self.launching = False
 
     # the same short run as 1 and as 2 processes on the Markov shards: 4 steps of 256 tokens, 2 micro-batches
     # of 128 on 1 process, 1 on each of 2; it validates on two sequences

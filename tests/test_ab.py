@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_records_script
+from conftest import BACKGROUND, load_records_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "ab.py"
@@ -191,20 +191,34 @@ def test_bad_arguments_are_errors_before_any_run(fake, tmp_path, capsys):
 # ----------------------------------------------------------------- a real smoke A/B
 
 
-def test_real_smoke_ab(tmp_path):
+def real_smoke_ab(out):
     """One run each of the trainer's smoke preset, shrunk to 12 steps (2 of them timed) of one 128-token
     block through 6 layers of width 32."""
-    out = tmp_path / "out"
     small = ["--preset", "smoke", "--num_iterations", "12", "--val_loss_every", "0",
              "--num_layers", "6", "--model_dim", "32", "--batch_size", "128",
              "--max_device_batch_size", "128", "--val_tokens", "128"]
     # one thread: on a shared CPU, more threads than free cores make a run many times slower
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(SCRIPT), "train_gpt.py", "train_gpt.py --fused_qkv true",
          "--runs", "1", "--nproc", "1", "--out", str(out), "--", *small],
         capture_output=True, text=True, timeout=300, check=False, cwd=ROOT, env=env,
     )
+
+
+def real_smoke_ab_in_background(request):
+    """Started at session start (the test's mark); gives the out folder and the finished process."""
+    tmp = request.getfixturevalue("tmp_path_factory")
+
+    def run():
+        out = tmp.mktemp("real_ab") / "out"
+        return out, real_smoke_ab(out)
+    return BACKGROUND.once("real_smoke_ab", run)
+
+
+@pytest.mark.background.with_args(real_smoke_ab_in_background)
+def test_real_smoke_ab(request):
+    out, proc = real_smoke_ab_in_background(request).result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = rows_of(proc.stdout)
     assert list(rows) == ["A1", "B1"]

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_records_script
+from conftest import load_records_script, smoke_marked
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -439,6 +439,7 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 # ------------------------------------------------------------------------ smoke runs
 
 
+@smoke_marked(("short", 1), ("short", 2), ("full",))
 def test_smoke_run_logs(smoke_logs, capsys):
     """Logs written by real smoke runs of the trainer parse and compare."""
     assert len(smoke_logs) >= 2

@@ -3,7 +3,8 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+import pytest
+from conftest import BACKGROUND, REPO
 
 import train_gpt
 
@@ -32,12 +33,24 @@ def compile_in_fresh_process(cache, tmp_path, name):
     return result.stdout.splitlines()[-3:]
 
 
-def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(tmp_path):
+def compile_twice(tmp_path):
+    """The first process's output, the temp files it left, the second process's output."""
     cache = tmp_path / "compile.cache"
-    loaded, counts, saved = compile_in_fresh_process(cache, tmp_path, "first")
+    first = compile_in_fresh_process(cache, tmp_path, "first")
+    return first, list(tmp_path.glob("*.tmp")), compile_in_fresh_process(cache, tmp_path, "second")
+
+
+def compile_twice_in_background(request):
+    tmp = request.getfixturevalue("tmp_path_factory")
+    return BACKGROUND.once("compile_twice", lambda: compile_twice(tmp.mktemp("compile_cache")))
+
+
+@pytest.mark.background.with_args(compile_twice_in_background)
+def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(request):
+    (loaded, counts, saved), temp_files, second = compile_twice_in_background(request).result()
     assert loaded.startswith("not found") and counts == "0 1" and saved.startswith("saved")
-    assert not list(tmp_path.glob("*.tmp"))  # the temp file was renamed into place
-    loaded, counts, _ = compile_in_fresh_process(cache, tmp_path, "second")
+    assert not temp_files  # the temp file was renamed into place
+    loaded, counts, _ = second
     assert loaded.startswith("loaded") and counts == "1 0"  # inductor's own count: a hit, no new code
 
 

@@ -3,7 +3,7 @@ import re
 
 import numpy as np
 
-from conftest import LN_VOCAB, REPO, unigram_entropy
+from conftest import LN_VOCAB, REPO, smoke_marked, unigram_entropy
 
 SOURCE = (REPO / "train_gpt.py").read_text()
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
@@ -34,6 +34,7 @@ def val_losses(log_path):
     return losses
 
 
+@smoke_marked(("short", 1))
 def test_log_has_source_header_and_parsable_step_lines(smoke_runs):
     log = smoke_runs.short(1)
     lines, rest = step_lines(log)
@@ -51,6 +52,7 @@ def test_log_has_source_header_and_parsable_step_lines(smoke_runs):
     assert all(line.endswith("step_avg:nanms") for line in lines if not STARTUP_LINE.match(line))
 
 
+@smoke_marked(("short", 1), ("short", 2))
 def test_two_processes_give_the_same_validation_losses_as_one(smoke_runs):
     one, two = val_losses(smoke_runs.short(1)), val_losses(smoke_runs.short(2))
     assert sorted(one) == sorted(two) == [0, 2, 4]
@@ -61,6 +63,7 @@ def test_two_processes_give_the_same_validation_losses_as_one(smoke_runs):
     assert one[4] < one[0] - 1  # and it is not trivially equal because nothing moved
 
 
+@smoke_marked(("full",))
 def test_smoke_run_with_no_data_named_learns_its_synthetic_markov_chain(smoke_runs):
     log = smoke_runs.full()
     _, rest = step_lines(log)
@@ -77,6 +80,7 @@ def test_smoke_run_with_no_data_named_learns_its_synthetic_markov_chain(smoke_ru
     assert list(losses.values()) == sorted(losses.values(), reverse=True)  # improves at every evaluation
 
 
+@smoke_marked(("short", 1))
 def test_checkpoint_is_the_final_model_and_reproduces_the_final_val_loss(smoke_runs, markov_shards):
     import torch
 

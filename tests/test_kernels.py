@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import smoke_marked
 from test_end_to_end import val_losses
 
 import train_gpt
@@ -206,6 +207,7 @@ def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monk
 
 
 @needs_triton
+@smoke_marked(("head", False), ("head", True))
 def test_smoke_run_with_the_fused_head_loss_has_the_plain_runs_val_losses(smoke_runs):
     plain, fused = val_losses(smoke_runs.head(fused=False)), val_losses(smoke_runs.head(fused=True))
     assert sorted(plain) == sorted(fused) == [0, 2] and plain[2] < plain[0]
@@ -269,6 +271,7 @@ def test_fused_qkv_attention_matches_three_products_in_float32():
 
 
 @needs_triton
+@smoke_marked(("head", True))
 def test_profile_writes_a_trace_and_the_top_ops_table_into_the_log(smoke_runs):
     log = smoke_runs.head(fused=True)  # 2 steps, --profile 1, with the fused head loss
     stdout = smoke_runs.stdout["head_fused_1proc"]

@@ -10,6 +10,7 @@ import torch
 
 import muon_worker
 import train_gpt
+from conftest import BACKGROUND
 from muon_worker import SHAPES, STEPS, gradients
 from train_gpt import Muon, zeropower_via_newtonschulz5
 
@@ -139,13 +140,24 @@ def test_muon_step_matches_float64(compiled, nesterov):
 WORKER = Path(__file__).with_name("muon_worker.py")
 
 
-def run_worker(out_path, nproc):
+def launch_worker(out_path, nproc):
     """The worker under torchrun with gloo, the way the trainer runs."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    result = subprocess.run([sys.executable, *launcher, str(WORKER), str(out_path)],
-                            capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(out_path)
+    return subprocess.Popen([sys.executable, *launcher, str(WORKER), str(out_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def run_workers(out_dir, nprocs):
+    """One launch per world size, all at once; per world size its stderr, exit code and saved result."""
+    runs = {n: launch_worker(out_dir / f"{n}.pt", n) for n in nprocs}
+    results = {n: run.communicate(timeout=300)[1] for n, run in runs.items()}
+    return {n: (stderr, runs[n].returncode, out_dir / f"{n}.pt") for n, stderr in results.items()}
+
+
+def muon_workers(request):
+    """The 2- and 3-process runs, started in the background at session start (the test's mark)."""
+    tmp = request.getfixturevalue("tmp_path_factory")
+    return BACKGROUND.once("muon_workers", lambda: run_workers(tmp.mktemp("muon_workers"), (2, 3)))
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +185,13 @@ def test_muon_one_process_matches_plain_muon(one_process):
         torch.testing.assert_close(a, ref, rtol=0, atol=2e-3)
 
 
+@pytest.mark.background.with_args(muon_workers)
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_muon_processes_match_one(tmp_path, one_process, nproc):
+def test_muon_processes_match_one(request, one_process, nproc):
     """Uneven shares and groups smaller than the world (see SHAPES): every matrix is still applied once."""
-    for a, b in zip(one_process, run_worker(tmp_path / "out.pt", nproc)):
+    stderr, returncode, out_path = muon_workers(request).result()[nproc]
+    assert returncode == 0, stderr[-3000:]
+    for a, b in zip(one_process, torch.load(out_path)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
