@@ -1,9 +1,6 @@
 """NanoGPT speedrun trainer: a GPT-2-small-class model on FineWeb-10B to 3.28 val loss, in one file.
-
-Run: ./run.sh (torchrun, one process per GPU); on a CPU: python train_gpt.py --preset smoke.
-In data-flow order: configuration, Muon, kernels, model, masks, data, training loop, main().
-Importing it runs nothing: tests import its parts.
-"""
+Run: ./run.sh (torchrun, one process per GPU); on a CPU: python train_gpt.py --preset smoke. In data-flow
+order: configuration, Muon, kernels, model, masks, data, training loop, main(). Importing it runs nothing."""
 import time
 
 LAUNCH_TIME = time.time()  # before the heavy imports: start-up is counted from launch
@@ -64,14 +61,11 @@ class Hyperparameters:
     save_checkpoint: bool = False
     # compilation and speed options
     compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
-    # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compile
-    compile_tuning: bool = False
+    compile_tuning: bool = False  # inductor's coordinate descent: ~0.5% faster steps, +6 min of compile
     compile_cache: str = ""  # a file: load compiled code from it before compiling, save it after step 1
-    # compile each block and the head on its own: 4 block forms traced, not 12 blocks
-    regional_compile: bool = False
+    regional_compile: bool = False  # each block and the head compiled alone: 4 block forms, not 12
     seed: int = 0
-    # softcap, cross-entropy and its gradient in one Triton kernel; auto: with CUDA
-    fused_head_loss: str = "auto"
+    fused_head_loss: str = "auto"  # softcap, cross-entropy and its gradient in one Triton kernel; auto: CUDA
     head_chunk_rows: int = 0  # fused head: logits this many rows at a time (0: the whole micro-batch at once)
     fused_qkv: bool = False  # q, k, v as one product of the stacked weights (still three matrices for Muon)
     profile: int = 0  # profile this many train steps after warm-up: trace and top-kernel table in log_dir
@@ -82,9 +76,8 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
     rules = [
         ("train_files val_files", lambda v: v != "", "a glob of token shards or 'synthetic'"),
         ("batch_size", lambda v: v > 0 and v % BLOCK_SIZE == 0, f"a positive multiple of {BLOCK_SIZE}"),
-        # whole attention blocks, within Rotary's table
         ("max_device_batch_size", lambda v: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
-         f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),
+         f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),  # whole blocks, within Rotary's table
         ("val_tokens", lambda v: v > 0 and v % mdbs == 0, f"a positive multiple of --max_device_batch_size ({mdbs})"),
         ("num_iterations num_heads", lambda v: v >= 1, "at least 1"),
         ("val_loss_every attention_free_layer muon_momentum_warmup_steps profile", lambda v: v >= 0, "at least 0"),
@@ -96,12 +89,10 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
         ("num_layers", lambda v: v >= 6 and v % 2 == 0, "even, at least 6 (U-net halves, 3+3 value-embedded layers)"),
         ("model_dim", lambda v: v > 0 and v % (4 * heads) == 0,
          f"a positive multiple of 4 x --num_heads ({4 * heads}): heads of a size divisible by 4 (rotary)"),
-        # 0 freezes a group
-        ("embed_lr head_lr scalar_lr muon_lr", lambda v: 0 <= v < math.inf, "finite and at least 0"),
+        ("embed_lr head_lr scalar_lr muon_lr", lambda v: 0 <= v < math.inf, "finite and at least 0 (0 freezes)"),
         # 1 would never let a gradient into the running averages
         ("adam_beta1 adam_beta2 muon_momentum_start muon_momentum", lambda v: 0 <= v < 1, "at least 0 and below 1"),
-        # Adam divides by sqrt(v) + eps, and v = 0 for tokens never seen
-        ("adam_eps", lambda v: 0 < v < math.inf, "finite and above 0"),
+        ("adam_eps", lambda v: 0 < v < math.inf, "finite and above 0"),  # Adam divides by sqrt(v) + eps
         ("log_dir", lambda v: v != "" and not os.path.isfile(v), "a folder name (not empty, not an existing file)"),
         ("compile fused_head_loss", lambda v: v in ("auto", "true", "false"), "auto (on with CUDA), true or false"),
         ("fused_head_loss", lambda v: v != "true" or triton is not None, "auto or false: triton, which its "
@@ -115,13 +106,11 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
                 raise UserError(f"--{name} must be {allowed}; got {getattr(args, name)!r}")
 
 # A small model and a short run: under a minute on a 2-core CPU, every part exercised (tests/test_options.py).
-# A CPU step is mostly the 50,304-wide head: so few steps, and 8x the record's head lr, which learns the chain
-# in 12 steps.
+# A CPU step is mostly the 50,304-wide head: so few steps, and 8x the record's head lr, to learn in 12 steps.
 PRESETS = {
     "smoke": dict(
         num_layers=8, num_heads=2, model_dim=64, head_lr=0.064,
-        # 2 micro-batches on 1 process; 1, 2, 4 or 8 processes all fit
-        batch_size=1024, max_device_batch_size=512,
+        batch_size=1024, max_device_batch_size=512,  # 2 micro-batches on 1 process; 1 to 8 fit
         num_iterations=12, val_loss_every=4, val_tokens=4096,
         window_end=512 + 64,  # 1 to 4 blocks: the whole 512-token sequence at the end
         train_files="synthetic", val_files="synthetic",  # no download: see markov_stream
@@ -214,12 +203,10 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_copy_(stacked[:len(mine)].unbind(), wide)
 
 # -----------------------------------------------------------------------------
-# Kernels: faster forms of model pieces, used only when an option asks; equal, up to rounding, to the plain
-# expression
+# Kernels: faster forms of model pieces, used only when an option asks; equal, up to rounding, to the maths
 
-# --fused_head_loss: z = x W^T by cuBLAS; a Triton kernel reads each row once for softcap c = 15t, t = tanh(z / 15),
-# and loss logsumexp(c) - c[target], in training overwriting z with d(mean loss)/dz: half the H100 time of the
-# compiled plain head.
+# --fused_head_loss: z = x W^T by cuBLAS; a Triton kernel reads each row once for the softcap c = 15t,
+# t = tanh(z / 15), and the loss logsumexp(c) - c[target], in training overwriting z with d(mean loss)/dz.
 if triton is not None:
     @triton.jit
     def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale, VOCAB: tl.constexpr,
@@ -231,8 +218,7 @@ if triton is not None:
         row_start = logits + row.to(tl.int64) * VOCAB
         target = tl.load(targets + row, mask=row_ok, other=0)
         total, c_target = tl.full([ROWS, COLS], 0, tl.float32), tl.full([ROWS, COLS], 0, tl.float32)
-        # sweep 0: log-sum-exp and loss; sweep 1: the row again, for the gradient
-        for sweep in tl.static_range(1 + WRITE_GRAD):
+        for sweep in tl.static_range(1 + WRITE_GRAD):  # 0: log-sum-exp and loss; 1: the row again, gradient
             for k in range(0, VOCAB, COLS):
                 # backwards in sweep 1: the latest reads are still in L2
                 start = k if sweep == 0 else (VOCAB - 1) // COLS * COLS - k
@@ -263,17 +249,14 @@ HEAD_LAUNCH_CUDA = dict(ROWS=1, COLS=4096, num_warps=16, TANH_APPROX=True)  # fa
 HEAD_LAUNCH_CPU = dict(ROWS=64, COLS=2048, TANH_APPROX=False)  # the interpreter: numpy on big blocks, no PTX
 
 def softcapped_cross_entropy_(logits, targets, grad_scale=None):
-    """Per-row losses of 15 tanh(logits / 15); with grad_scale, the logits become grad_scale * d(sum of
-    losses)/d logits. On CPU through Triton's interpreter (triton.jit chose the compiler at import, and
-    TRITON_INTERPRET would switch every kernel)."""
+    """Per-row losses of 15 tanh(z / 15), z the logits; with grad_scale, z becomes grad_scale * d(their sum)/dz.
+    CPU: Triton's interpreter (triton.jit chose the compiler at import; TRITON_INTERPRET switches all)."""
     assert logits.is_contiguous() and targets.dtype == torch.int64
     kernel, launch, buffer = softcapped_cross_entropy_kernel, HEAD_LAUNCH_CUDA, logits
-    # the interpreter's fp32 -> bf16 truncates: it works in fp32, and torch rounds to nearest
-    if not logits.is_cuda:
+    if not logits.is_cuda:  # the interpreter's fp32 -> bf16 truncates: it works in fp32, torch rounds
         kernel, launch, buffer = InterpretedFunction(kernel.fn), HEAD_LAUNCH_CPU, logits.float()
     losses = logits.new_empty(len(logits), dtype=torch.float32)
-    # numpy warns of exp(2z / 15) = inf, where tanh saturates as it should
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # numpy warns of exp(2z / 15) = inf, where tanh saturates as it should
         grid = (triton.cdiv(len(logits), launch["ROWS"]),)
         kernel[grid](buffer, targets.contiguous(), losses, len(logits), grad_scale or 0.0,
                      VOCAB=logits.size(1), WRITE_GRAD=grad_scale is not None, **launch)
@@ -321,19 +304,17 @@ class ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):  # scales the saved gradients, as FusedHeadLoss scales its products
         return *(grad * grad_loss for grad in ctx.saved_tensors), None, None
 
-# A deliberate graph break: traced, the in-place kernel would be functionalised, which may copy the 6.6 GB
-# logits (the products are cuBLAS either way). Not torch.compiler.disable: it imports torch._dynamo, which
-# makes a cache folder.
+# A deliberate graph break: traced, the in-place kernel could be functionalised into a 6.6 GB copy. Not
+# torch.compiler.disable: it imports torch._dynamo, which makes a cache folder.
 @torch._disable_dynamo
 def fused_head_loss(x, weight, targets, chunk_rows=0):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         if chunk_rows:
             return ChunkedHeadLoss.apply(x, weight, targets, chunk_rows)
         return FusedHeadLoss.apply(x, weight, targets)
-    if chunk_rows:  # eval: the loss only, in chunks as in training
-        w, parts = weight.type_as(x), zip(x.split(chunk_rows), targets.split(chunk_rows))
-        return torch.cat([softcapped_cross_entropy_(matmul(xs, w.T), ts) for xs, ts in parts]).mean()
-    return softcapped_cross_entropy_(matmul(x, weight.type_as(x).T), targets).mean()
+    # eval: the loss only, in chunks as in training
+    w, parts = weight.type_as(x), zip(x.split(chunk_rows or len(x)), targets.split(chunk_rows or len(x)))
+    return torch.cat([softcapped_cross_entropy_(matmul(xs, w.T), ts) for xs, ts in parts]).mean()
 
 # -----------------------------------------------------------------------------
 # The model: a U-net GPT with value embeddings
@@ -420,8 +401,7 @@ class GPT(nn.Module):
         self.num_layers, self.fused_head_loss = num_layers, fused_head_loss
         self.head_chunk_rows = head_chunk_rows  # rows of logits at a time in the fused head (0: all)
         self.embed = nn.Embedding(vocab_size, model_dim)
-        # used by the first three layers and again by the last three
-        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))
+        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))  # see below
         self.blocks = nn.ModuleList(Block(model_dim, num_heads, i != attention_free_layer, fused_qkv)
                                     for i in range(num_layers))
         self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))  # U-net: encoder i feeds decoder
@@ -437,8 +417,7 @@ class GPT(nn.Module):
                    fused_head_loss=switched_on(args.fused_head_loss, device) and triton is not None,
                    fused_qkv=args.fused_qkv, head_chunk_rows=args.head_chunk_rows)
 
-    def value_embed_index(self, layer):
-        """Tables 0, 1, 2 for the first three layers and again for the last three; None between."""
+    def value_embed_index(self, layer):  # tables 0, 1, 2 for the first three layers and the last three
         return layer if layer < 3 else layer - (self.num_layers - 3) if layer >= self.num_layers - 3 else None
 
     def forward(self, inputs, targets, window_blocks):
@@ -472,8 +451,7 @@ def listed_rows(first, last, window_blocks):
     blocks are one run [start, q] or, if q lies in one document, [start, full_start) and q; its full ones
     [full_start, q). Lists are padded with q."""
     q = torch.arange(len(first), device=first.device)[:, None]
-    # the first block reaching q's first document, within the window
-    start = torch.maximum(torch.searchsorted(last, first)[:, None], q - window_blocks + 1)
+    start = torch.maximum(torch.searchsorted(last, first)[:, None], q - window_blocks + 1)  # reaches q's doc
     full_start = torch.maximum(torch.searchsorted(first, first)[:, None], start)  # starts in q's doc
     full_start = torch.where((first == last)[:, None], full_start, q + 1)
     full_count = (q - full_start).clamp(min=0)
@@ -489,15 +467,13 @@ def build_block_mask(inputs, window_blocks):
     docs = (inputs == EOT).cumsum(0)
     first, last = docs[0::BLOCK_SIZE].contiguous(), docs[BLOCK_SIZE - 1::BLOCK_SIZE].contiguous()
     kv_lists, n = listed_rows(first, last, window_blocks), len(first)
-    # The q-side lists (backward pass) are the rows of the mirror image, blocks reversed and doc ids
-    # negated: its row r is our column n - 1 - r. Given to the constructor, as from_kv_blocks would derive
-    # them with a sort
+    # the q-side lists (backward pass) are the rows of the mirror image, blocks reversed and doc ids negated
+    # (its row r is our column n - 1 - r), given to the constructor: from_kv_blocks would sort
     mirrored = listed_rows(-last.flip(0), -first.flip(0), window_blocks)
     q_lists = [t.flip(-1) if t.dim() == 3 else n - 1 - t.flip(-2) for t in mirrored]  # counts, index lists
 
     def document_causal(b, h, q_idx, kv_idx):  # the per-token test, needed in partial blocks only
         return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
-
     return BlockMask((len(inputs),) * 2, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE,) * 2,
                      mask_mod=document_causal)
 
