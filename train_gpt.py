@@ -6,7 +6,7 @@ import time
 LAUNCH_TIME = time.time()  # before the heavy imports: start-up is counted from launch
 
 import argparse, contextlib, glob, hashlib, importlib.metadata, math, os, resource
-import shutil, subprocess, sys, tempfile, uuid
+import shutil, signal, subprocess, sys, tempfile, uuid, zipfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -58,7 +58,9 @@ class Hyperparameters:
     # logging
     val_loss_every: int = 125  # 0: only after the last step
     log_dir: str = "logs"
-    save_checkpoint: bool = False
+    save_checkpoint: bool = False  # the final state, resumable, in log_dir/<run id>/
+    checkpoint_every: int = 0  # a resumable checkpoint every N steps (0: off); a run keeps its last two
+    resume: str = ""  # a checkpoint (state_step*.pt) to go on from, its options the defaults
     # compilation and speed options
     compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
     compile_tuning: bool = False  # inductor's coordinate descent: ~0.5% faster steps, +6 min of compile
@@ -80,8 +82,8 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
          f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),  # whole blocks, within Rotary's table
         ("val_tokens", lambda v: v > 0 and v % mdbs == 0, f"a positive multiple of --max_device_batch_size ({mdbs})"),
         ("num_iterations num_heads", lambda v: v >= 1, "at least 1"),
-        ("val_loss_every attention_free_layer muon_momentum_warmup_steps profile", lambda v: v >= 0, "at least 0"),
-        ("head_chunk_rows", lambda v: v >= 0, "at least 0 (0: the whole micro-batch at once)"),
+        ("val_loss_every checkpoint_every head_chunk_rows attention_free_layer muon_momentum_warmup_steps profile",
+         lambda v: v >= 0, "at least 0"),
         ("cooldown_frac", lambda v: 0 <= v <= 1, "from 0 (no decay) to 1 (decay from the first step)"),
         # the window, interpolated between these two, must hold at least one whole block at every step
         ("window_start window_end", lambda v: v >= BLOCK_SIZE, f"at least {BLOCK_SIZE} tokens (one attention block)"),
@@ -592,8 +594,8 @@ class DistributedDataLoader:
                                 "target and the loader's margin): use other shards or a smaller batch")
         return sum((n - 2) // batch_size for n in self.sizes)
 
-    def reset(self, shard=0):  # to the start of a shard, the first by default
-        self.shard, self.pos, self.tokens = shard, 0, load_data_shard(self.files[shard], self.vocab_size)
+    def reset(self, shard=0, pos=0):  # to a position in a shard, the first shard's start by default
+        self.shard, self.pos, self.tokens = shard, pos, load_data_shard(self.files[shard], self.vocab_size)
 
     def next_batch(self, batch_size):
         if self.pos + batch_size + 1 >= len(self.tokens):  # build_loaders checked every shard holds a batch
@@ -623,8 +625,8 @@ def window_blocks_at(step, args):
     x = step / args.num_iterations
     return int(((1 - x) * args.window_start + x * args.window_end) // BLOCK_SIZE)
 
-def step_avg(train_time_ms, steps_done):  # mean ms per timed step: the untimed warm-up steps are left out
-    return train_time_ms / (steps_done - UNTIMED_STEPS) if steps_done > UNTIMED_STEPS else float("nan")
+def step_avg(train_time_ms, timed_steps):  # mean ms per timed step: the untimed warm-up steps are left out
+    return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
 def switched_on(option, device):
     """An auto/true/false option; auto: on with CUDA, where it measured faster, off on CPU."""
@@ -713,10 +715,10 @@ class RunLog(contextlib.AbstractContextManager):
             print(f"logging to {self.path}")
             self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
 
-    def __call__(self, line, console=True):
+    def __call__(self, line, console=True):  # console: True (stdout), False or a stream
         if self.file:
             if console:
-                print(line)
+                print(line, file=None if console is True else console)
             self.file.write(line + "\n")
             self.file.flush()
 
@@ -889,14 +891,92 @@ def evaluate(model, loader, args, val_batch, window_blocks, world_size):
     model.train()
     return total.item()
 
-def save_checkpoint(args, log, model, optimizers):
-    folder = os.path.join(args.log_dir, log.run_id)
-    os.makedirs(folder, exist_ok=True)
-    torch.save(dict(step=args.num_iterations, code=Path(__file__).read_text(), args=asdict(args),
-                    model=model.state_dict(), optimizers=[opt.state_dict() for opt in optimizers]),
-               os.path.join(folder, f"state_step{args.num_iterations:06d}.pt"))
+STOP_CHECK_EVERY = 5  # steps between exchanges of the stop flag among processes
+SOURCE_SHA256 = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+FIXED_OPTIONS = ("vocab_size num_layers num_heads model_dim attention_free_layer bf16_embeds "
+                 "batch_size num_iterations").split()  # the model; the data position and the schedules
 
-def train(args):
+class CleanStop(contextlib.AbstractContextManager):
+    """SIGTERM or SIGINT, while train() runs, sets a flag; ranks all-reduce it every STOP_CHECK_EVERY steps
+    on a CPU group, read as the next launches: no host wait, no device sync, all stop after the same step."""
+    def __init__(self, world_size):
+        self.received, self.pending = 0, (torch.tensor(0), None)
+        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        handler = lambda signum, _: setattr(self, "received", self.received or signum)  # noqa: E731
+        self.previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def __exit__(self, kind, error, traceback):  # a pending all-reduce ends with its group: all launched it
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def agreed(self, step):  # the signal that every rank stops on after this step, or 0
+        if self.group is None or step % STOP_CHECK_EVERY:
+            return 0 if self.group else self.received
+        flag, handle = self.pending
+        launched = torch.tensor(self.received)
+        self.pending = launched, dist.all_reduce(launched, dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return int(flag) if handle is None or handle.wait() else 0  # launched STOP_CHECK_EVERY steps ago
+
+def train_shards(args):  # names and token counts ("synthetic": none, its stream is fixed by the options)
+    return [f"{os.path.basename(f)}:{read_shard_header(f)}" for f in sorted(glob.glob(args.train_files))]
+
+def load_checkpoint(argv, path):
+    """A checkpoint, and its options overridden by those given: not the model, the batch, schedule or data."""
+    try:  # the zip's CRCs catch a flipped byte in tensor data, which torch.load misses
+        if damaged := zipfile.ZipFile(path).testzip():
+            raise ValueError(f"{damaged} fails its CRC check")
+        checkpoint = torch.load(path, map_location="cpu")
+        saved, saved_shards = checkpoint["args"], checkpoint["train_shards"]
+    except Exception as e:
+        raise UserError(f"--resume {path!r} is not a checkpoint, or a corrupt or truncated one "
+                        f"({type(e).__name__}: {e}): give another (a run keeps its last two)") from None
+    args = parse_args(argv, resumed=saved)
+    changed = [name for name, value in asdict(args).items() if value != saved.get(name) and name != "resume"]
+    refused = [f"--{n} {saved.get(n)} -> {getattr(args, n)}" for n in changed if n in FIXED_OPTIONS]
+    if (shards := train_shards(args)) != saved_shards:
+        refused.append(f"train shards (name:tokens) {saved_shards[:3]} -> {shards[:3]}")
+    if refused:
+        raise UserError(f"--resume {path!r}: {', '.join(refused)} would change the model, the data position "
+                        "or the schedules: leave these options as the checkpoint has them")
+    changes = ", ".join(f"--{n} {saved.get(n)!r} -> {getattr(args, n)!r}" for n in changed)
+    note = f"resumed from {path} at step {checkpoint['step']}{'; options changed: ' * bool(changes)}{changes}"
+    return args, dict(checkpoint, note=note)
+
+def resume(checkpoint, log, model, adam, muon, train_loader):
+    """This rank's part (its Muon matrices' momenta; Adam at this run's learning rates), popped to free it."""
+    model.load_state_dict(checkpoint.pop("model"))
+    adam.load_state_dict(dict(checkpoint.pop("adam"), param_groups=adam.state_dict()["param_groups"]))
+    names, momenta = {p: name for name, p in model.named_parameters()}, checkpoint.pop("muon")
+    for p in [p for group in muon.param_groups for p in group["params"][muon.rank::muon.world_size]]:
+        muon.state[p]["momentum_buffer"] = momenta[names[p]].to(p.device)
+    train_loader.reset(*checkpoint["loader"])
+    log(checkpoint["note"])
+    if checkpoint["source_sha256"] != SOURCE_SHA256:
+        log("warning: resumed by another train_gpt.py than the one that wrote the checkpoint")
+    return checkpoint["step"], checkpoint["timing"]
+
+def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time_ms, timed_steps):
+    """Rank 0 writes a temp file renamed into place (never half a checkpoint); a run keeps its last two."""
+    names, momenta, t = {p: name for name, p in model.named_parameters()}, {}, time.perf_counter()
+    for group in muon.param_groups:
+        for i, p in enumerate(group["params"]):  # matrix i is rank i % W's, the one holding its momentum
+            momenta[names[p]] = muon.state[p].get("momentum_buffer", torch.empty_like(p))
+            if muon.world_size > 1:
+                dist.broadcast(momenta[names[p]], src=i % muon.world_size)
+    path = os.path.join(args.log_dir, log.run_id, f"state_step{step:06d}.pt")
+    if log.file:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        timing = (train_time_ms if timed_steps else 0.0, timed_steps)  # before the first timed step: none
+        torch.save(dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
+                        loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
+                        source_sha256=SOURCE_SHA256, train_shards=train_shards(args)), f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)
+        for old in sorted(glob.glob(os.path.join(glob.escape(os.path.dirname(path)), "state_step*.pt")))[:-2]:
+            os.remove(old)
+        log(f"checkpoint: {path}, {os.path.getsize(path) / 2**20:.1f} MiB in {time.perf_counter() - t:.1f} s")
+    return path
+
+def train(args, checkpoint=None):
     rank, world_size, device = setup_device()
     micro, accum_steps, val_batch = micro_batch_plan(args, world_size)
     train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
@@ -908,30 +988,40 @@ def train(args):
     if world_size > 1:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
-    with RunLog(args, master=rank == 0) as log, out_of_memory_as_error(micro):
+    with RunLog(args, master=rank == 0) as log, out_of_memory_as_error(micro), CleanStop(world_size) as stop:
         log.header(args, world_size, device, train_loader, val_loader, passes, cache_note)
         model, train_model, adam, muon = build_model(args, device, world_size, compiled)
+        start, (timed_ms, timed_before) = (resume(checkpoint, log, model, adam, muon, train_loader)
+                                           if checkpoint else (0, (0.0, 0)))
+        timed_from = max(start + 1, UNTIMED_STEPS)  # a resumed run's first step compiles: untimed
         # a device tensor, changed in place: the compiled graph sees a new value, never a new constant
         window_blocks = torch.tensor(window_blocks_at(0, args), dtype=torch.int32, device=device)
         profiler = start_profiler(args, device, master=rank == 0)
         N = args.num_iterations
-        train_time_ms, t0 = 0.0, time.perf_counter()
-        for step in range(N + 1):
-            last_step = step == N
-            if step == UNTIMED_STEPS:
-                train_time_ms, t0 = 0.0, time.perf_counter()
+        train_time_ms, t0, saved = timed_ms, time.perf_counter(), None
+        for step in range(start, N + 1):
+            last_step, timed_steps = step == N, timed_before + max(step - timed_from, 0)
+            if step == timed_from:
+                train_time_ms, t0 = timed_ms, time.perf_counter()
             window_blocks.fill_(window_blocks_at(step, args))
-
-            if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
-                synchronize(device)  # validation is not train time
+            stopping = step > start and not last_step and stop.agreed(step)
+            every, final = args.checkpoint_every, (stopping or last_step) and args.save_checkpoint
+            checkpoint_due = step > start and (final or every > 0 and (stopping or step % every == 0))
+            validate = not stopping and (last_step or args.val_loss_every and step % args.val_loss_every == 0)
+            if checkpoint_due or validate:
+                synchronize(device)  # checkpoints and validation are not train time
                 train_time_ms += 1000 * (time.perf_counter() - t0)
-                val_loss = evaluate(train_model, val_loader, args, val_batch, window_blocks, world_size)
-                log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_time_ms:.0f}ms "
-                    f"step_avg:{step_avg(train_time_ms, step):.2f}ms")
-                stop_if_diverged(val_loss, step)
+                if checkpoint_due:
+                    saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time_ms,
+                                            timed_steps)
+                if validate:
+                    val_loss = evaluate(train_model, val_loader, args, val_batch, window_blocks, world_size)
+                    log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_time_ms:.0f}ms "
+                        f"step_avg:{step_avg(train_time_ms, timed_steps):.2f}ms")
+                    stop_if_diverged(val_loss, step)
                 synchronize(device)
                 t0 = time.perf_counter()
-            if last_step:
+            if last_step or stopping:
                 break
 
             inputs, targets = train_loader.next_batch(args.batch_size)
@@ -950,21 +1040,24 @@ def train(args):
             model.zero_grad(set_to_none=True)
             # no sync: the step stays asynchronous, so this time is approximate
             approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
-            average = step_avg(approx_ms, step + 1)
+            average = step_avg(approx_ms, timed_steps + (step >= timed_from))
             log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{average:.2f}ms")
             if profiler:
                 profiler.step()
-            if step == 0:  # everything has compiled now: eval at step 0, model and optimisers in step 1
+            if step == start:  # everything has compiled now: eval at step 0, model and optimisers in step 1
                 synchronize(device)
                 log(startup_report(args, compiled, stamp, master=rank == 0))
         if profiler:
             report_profile(profiler, args, log, device)
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
-        if rank == 0 and args.save_checkpoint:
-            save_checkpoint(args, log, model, (adam, muon))
+        if stopping:  # the last line of the log and of stderr
+            launcher = f"torchrun --standalone --nproc_per_node={world_size}" if world_size > 1 else "python"
+            how = (f"resume with: {launcher} train_gpt.py --resume {saved}" if saved else
+                   "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)")
+            log(f"stopped by {signal.Signals(stopping).name} after step {step}; {how}", console=sys.stderr)
     if world_size > 1:
         dist.barrier()  # no rank tears the process group down while another still writes or reduces
-    return 0
+    return 128 + stopping if stopping else 0  # as if the signal had ended the process
 
 # -----------------------------------------------------------------------------
 # main
@@ -974,7 +1067,7 @@ def parse_bool(text):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return text.lower() in ("1", "true", "yes", "on")
 
-def parse_args(argv=None):
+def parse_args(argv=None, resumed=None):
     preset_parser = argparse.ArgumentParser(add_help=False)
     preset_parser.add_argument("--preset", choices=sorted(PRESETS))
     parser = argparse.ArgumentParser(description="NanoGPT speedrun trainer. Every option has a default.",
@@ -982,8 +1075,8 @@ def parse_args(argv=None):
     for f in fields(Hyperparameters):
         parser.add_argument(f"--{f.name}", type=parse_bool if f.type is bool else f.type, default=f.default,
                             metavar=f.type.__name__.upper(), help="default: %(default)s")
-    # --preset's values, if any, replace the defaults
-    parser.set_defaults(**PRESETS.get(preset_parser.parse_known_args(argv)[0].preset, {}))
+    # --preset's values, if any, replace the defaults, and a resumed checkpoint's replace those
+    parser.set_defaults(**PRESETS.get(preset_parser.parse_known_args(argv)[0].preset, {}) | (resumed or {}))
     namespace = parser.parse_args(argv)
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
@@ -992,8 +1085,9 @@ def main(argv=None):
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parse_args(argv)
     try:
+        args, checkpoint = load_checkpoint(argv, args.resume) if args.resume else (args, None)
         check_hyperparameters(args)  # every value, before anything is written
-        return train(args)
+        return train(args, checkpoint)
     except UserError as e:
         if int(os.environ.get("RANK", 0)) == 0 or e.every_rank:
             print(f"error: {e}", file=sys.stderr)

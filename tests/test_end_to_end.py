@@ -1,4 +1,5 @@
 """Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and learning."""
+import hashlib
 import re
 
 import numpy as np
@@ -9,6 +10,8 @@ SOURCE = (REPO / "train_gpt.py").read_text()
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
 TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
 STARTUP_LINE = re.compile(r"^startup: (\d+\.\d)s from launch to the end of step 1")  # the one line besides steps
+# and lines of options: --profile's report, checkpoints, a resumed run's notes, a stopped run's last line
+OPTION_LINES = ("profile: ", "checkpoint: ", "resumed from ", "warning: resumed ", "stopped by ")
 
 
 def step_lines(log_path):
@@ -18,7 +21,7 @@ def step_lines(log_path):
     rest = text[len(SOURCE):].splitlines()
     assert rest[1] == "=" * 100
     body = rest[rest.index("=" * 100, rest.index("hyperparameters:")) + 1:]
-    body = [line for line in body if not line.startswith("profile: ")]  # --profile's report, before the last line
+    body = [line for line in body if not line.startswith(OPTION_LINES)]
     assert re.fullmatch(r"peak memory consumption: \d+ MiB", body[-1])
     return body[:-1], rest
 
@@ -89,7 +92,7 @@ def test_checkpoint_is_the_final_model_and_reproduces_the_final_val_loss(smoke_r
     log = smoke_runs.short(1)
     (checkpoint,) = log.parent.glob(f"{log.stem}/state_step000004.pt")
     state = torch.load(checkpoint)
-    assert state["step"] == 4 and state["code"] == SOURCE
+    assert state["step"] == 4 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
     args = train_gpt.Hyperparameters(**state["args"])
     model = train_gpt.GPT.from_args(args)
     model.load_state_dict(state["model"])

@@ -42,6 +42,8 @@ BAD = {
     "compile_cache": ["{folder}"],
     "seed": ["-1", str(2 ** 64)],  # -1: a ValueError from numpy once
     "profile": ["-1"],
+    "checkpoint_every": ["-1"],
+    "resume": ["{folder}", "{file}", "missing.pt"],  # a folder without checkpoints, an empty file, no file
 }
 # booleans: no value both parses and fails; parse_bool refuses anything but true/false words (exit code 2)
 NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "regional_compile",

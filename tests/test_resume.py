@@ -1,0 +1,184 @@
+"""Long runs survive interruption: a run stopped by a signal and resumed from its checkpoint ends with the val
+losses of the same run not interrupted (identical on 1 process, within 2e-3 across process counts), and a
+checkpoint that cannot continue the run is refused at start-up."""
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_gpt
+from conftest import REPO, finished_log
+from test_end_to_end import SOURCE, step_lines, val_losses
+
+
+# 6 blocks of width 16 (a CPU step is mostly the 50,304-wide head), 8 steps of 256 tokens: 2 micro-batches on
+# 1 process, 1 on each of 2; validation every 2 steps, on 2 sequences
+def tiny(markov_shards, log_dir, *extra):
+    train, val, _ = markov_shards
+    return ["--preset", "smoke", "--train_files", train, "--val_files", val, "--num_layers", "6",
+            "--model_dim", "16", "--num_heads", "1", "--num_iterations", "8", "--val_loss_every", "2",
+            "--batch_size", "256", "--max_device_batch_size", "128", "--val_tokens", "256",
+            "--log_dir", str(log_dir), *extra]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Steps this small gain nothing from a second thread, and lose much when other processes share cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(markov_shards, tmp_path_factory, one_thread):
+    """The run not interrupted, in this process: its val losses and its checkpoints (every 4 steps)."""
+    log_dir = tmp_path_factory.mktemp("reference")
+    assert train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4")) == 0
+    log = finished_log(log_dir)
+    return val_losses(log), sorted((log_dir / log.stem).glob("state_step*.pt"))
+
+
+def resumed_losses(path, log_dir):
+    assert train_gpt.main(["--resume", str(path), "--log_dir", str(log_dir)]) == 0
+    return val_losses(finished_log(log_dir))
+
+
+def stop_at(monkeypatch, at, *signals):
+    """Raise these signals in this process just before the stop check after step `at`."""
+    agreed = train_gpt.CleanStop.agreed
+
+    def preempted(self, step):
+        for signum in signals * (step == at):
+            signal.raise_signal(signum)
+        return agreed(self, step)
+
+    monkeypatch.setattr(train_gpt.CleanStop, "agreed", preempted)
+
+
+def test_sigterm_on_one_process_stops_after_the_step_and_resumes_to_identical_losses(
+        reference, markov_shards, tmp_path, capsys, monkeypatch):
+    expected, _ = reference
+    stop_at(monkeypatch, 3, signal.SIGTERM, signal.SIGINT)  # torchrun forwards a second signal: no effect
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    args = tiny(markov_shards, tmp_path / "stopped", "--checkpoint_every", "1")
+    assert train_gpt.main(args) == 128 + signal.SIGTERM
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # restored
+    log = finished_log(tmp_path / "stopped")
+    folder = log.parent / log.stem
+    last = folder / "state_step000003.pt"
+    assert sorted(p.name for p in folder.iterdir()) == ["state_step000002.pt", last.name]  # the last two kept
+    stop_line = f"stopped by SIGTERM after step 3; resume with: python train_gpt.py --resume {last}"
+    assert capsys.readouterr().err.splitlines()[-1] == stop_line
+    text = log.read_text().splitlines()
+    assert text[-1] == stop_line and text[-2].startswith("peak memory consumption: ")
+    assert re.fullmatch(rf"checkpoint: {re.escape(str(last))}, \d+\.\d MiB in \d+\.\d s", text[-3])
+    assert step_lines(log)[0][-1].startswith("step:3/8 train_time:")  # the parser takes the other lines
+    monkeypatch.undo()
+    losses = resumed_losses(last, tmp_path / "resumed")
+    assert losses == {step: loss for step, loss in expected.items() if step >= 4} and len(losses) == 3
+
+
+def test_sigint_without_checkpoint_options_says_how_to_get_one(markov_shards, tmp_path, capsys, monkeypatch,
+                                                                one_thread):
+    stop_at(monkeypatch, 1, signal.SIGINT)
+    assert train_gpt.main(tiny(markov_shards, tmp_path, "--val_loss_every", "0")) == 128 + signal.SIGINT
+    stop_line = ("stopped by SIGINT after step 1; no checkpoint was written (--checkpoint_every N or "
+                 "--save_checkpoint true write one)")
+    assert capsys.readouterr().err.splitlines()[-1] == stop_line
+    assert finished_log(tmp_path).read_text().splitlines()[-1] == stop_line
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # no checkpoint folder
+
+
+def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_across_process_counts(
+        reference, tmp_path):
+    """1 -> 2 -> 1 processes: the reference's step-4 checkpoint resumed on 2 processes, which torchrun stops
+    after step 6 (tests/stop_worker.py), then that checkpoint resumed on 1 process to the end."""
+    expected, checkpoints = reference
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "stop_worker.py"), "5", "--resume", str(checkpoints[0]),
+           "--log_dir", str(tmp_path / "2")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers, without one
+    assert result.returncode == 1 and "SignalException: Process" in result.stderr, result.stderr[-3000:]
+    assert 'train_gpt.py", line' not in result.stderr
+    log = finished_log(tmp_path / "2")
+    stopped = log.parent / log.stem / "state_step000006.pt"
+    stop_line = ("stopped by SIGTERM after step 6; resume with: torchrun --standalone --nproc_per_node=2 "
+                 f"train_gpt.py --resume {stopped}")
+    assert log.read_text().splitlines()[-1] == stop_line and stop_line in result.stderr.splitlines()
+    assert val_losses(log) == {4: expected[4]}  # validation at the step resumed from; none at the stop
+    # every Muon matrix's momentum, gathered from the rank that holds it
+    momenta = torch.load(stopped)["muon"]
+    with torch.device("meta"):
+        model = train_gpt.GPT(50304, 6, 1, 16)
+    assert set(momenta) == {name for name, p in model.blocks.named_parameters(prefix="blocks") if p.ndim == 2}
+    losses = resumed_losses(stopped, tmp_path / "1")
+    assert sorted(losses) == [6, 8]
+    for step, loss in losses.items():  # the order of float sums differs with the process count
+        assert abs(loss - expected[step]) < 2e-3, (step, loss, expected[step])
+    assert losses[8] < expected[4] - 0.5  # not equal because nothing moved
+
+
+def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, tmp_path):
+    """The final checkpoint, as if written by another version of the script: resumed, it only validates."""
+    expected, checkpoints = reference
+    state = torch.load(checkpoints[-1])
+    assert state["step"] == 8 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
+    torch.save(dict(state, source_sha256="0" * 64), tmp_path / "forked.pt")
+    assert train_gpt.main(["--resume", str(tmp_path / "forked.pt"), "--log_dir", str(tmp_path / "logs"),
+                           "--val_loss_every", "4"]) == 0
+    log = finished_log(tmp_path / "logs")
+    lines = log.read_text().splitlines()
+    assert f"resumed from {tmp_path / 'forked.pt'} at step 8; options changed: --val_loss_every 2 -> 4, " \
+           f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines
+    assert "warning: resumed by another train_gpt.py than the one that wrote the checkpoint" in lines
+    assert val_losses(log) == {8: expected[8]}
+
+
+def flipped_byte(path, tmp_path):  # the middle of the file: tensor data (the embedding tables are most of it)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    (tmp_path / "flipped.pt").write_bytes(data)
+    return tmp_path / "flipped.pt"
+
+
+def truncated(path, tmp_path):
+    (tmp_path / "truncated.pt").write_bytes(path.read_bytes()[:-1000])
+    return tmp_path / "truncated.pt"
+
+
+def other_dict(path, tmp_path):  # torch.save's, but not a checkpoint of this trainer
+    torch.save(dict(model=torch.load(path)["model"]), tmp_path / "weights.pt")
+    return tmp_path / "weights.pt"
+
+
+@pytest.mark.parametrize("make_path,extra,words", [
+    (None, ["--num_layers", "8", "--model_dim", "32"], "--num_layers 6 -> 8, --model_dim 16 -> 32 would"),
+    (None, ["--batch_size", "512"], "--batch_size 256 -> 512 would change"),
+    (None, ["--num_iterations", "10"], "--num_iterations 8 -> 10 would change"),
+    (None, ["--train_files", "{shard}"],  # one of the two shards
+     "train shards (name:tokens) ['markov_train_000001.bin:60000', 'markov_train_000002.bin:60000'] -> "
+     "['markov_train_000001.bin:60000']"),
+    (flipped_byte, [], " fails its CRC check)"),
+    (truncated, [], "(BadZipFile: File is not a zip file)"),
+    (lambda path, tmp_path: tmp_path / "missing.pt", [], "(FileNotFoundError: "),
+    (lambda path, tmp_path: tmp_path, [], "(IsADirectoryError: "),  # a folder without checkpoints
+    (lambda path, tmp_path: next(path.parent.parent.glob("*.txt")), [], "(BadZipFile: "),  # the run's log
+    (other_dict, [], "(KeyError: 'args')"),
+])
+def test_a_checkpoint_that_cannot_continue_the_run_is_one_error_line(reference, markov_shards, tmp_path,
+                                                                    capsys, make_path, extra, words):
+    checkpoint = reference[1][0]
+    path = make_path(checkpoint, tmp_path) if make_path else checkpoint
+    extra = [arg.format(shard=markov_shards[0].replace("*", "000001")) for arg in extra]
+    assert train_gpt.main(["--resume", str(path), "--log_dir", str(tmp_path / "logs"), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume {str(path)!r}") and err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "logs").exists()  # refused before anything is written
