@@ -2,9 +2,7 @@
 Run: ./run.sh (torchrun, one process per GPU); on a CPU: python train_gpt.py --preset smoke. In data-flow
 order: configuration, Muon, kernels, model, masks, data, training loop, main(). Importing it runs nothing."""
 import time
-
 LAUNCH_TIME = time.time()  # before the heavy imports: start-up is counted from launch
-
 import argparse, contextlib, glob, hashlib, importlib.metadata, math, os, resource
 import shutil, signal, subprocess, sys, tempfile, uuid, zipfile
 from dataclasses import asdict, dataclass, fields
@@ -20,31 +18,25 @@ try:  # Linux only (no macOS or Windows wheels); without it, --fused_head_loss i
 except ImportError:
     triton = None
 
-# -----------------------------------------------------------------------------
-# Configuration
-
+# Configuration ------------------------------------------------------------------------------------
 @dataclass
 class Hyperparameters:
-    # data: globs of token shards, read in sorted file-name order
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # globs of shards, read in sorted name order
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
     val_tokens: int = 10_485_760  # the first 10,485,760 val tokens, fixed by the record rules
     allow_data_repeat: bool = False  # let a run read the train stream more than once (never a record)
-    # batch and schedule
     batch_size: int = 8 * 64 * 1024  # tokens per optimiser step, whatever the number of processes
     max_device_batch_size: int = 64 * 1024  # one packed sequence per forward; longer shares accumulate
     num_iterations: int = 1390
     cooldown_frac: float = 0.4  # last 40% of steps: learning rate decays linearly to 0
     window_start: int = 128  # attention window in tokens at step 0 ...
     window_end: int = 1856  # ... and at the end; // 128 gives 1 to 14 blocks
-    # model
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
     num_layers: int = 12
     num_heads: int = 6
     model_dim: int = 768
     attention_free_layer: int = 7  # this block has no attention (none if >= num_layers)
     bf16_embeds: bool = True
-    # optimisers
     embed_lr: float = 0.6
     head_lr: float = 0.008
     scalar_lr: float = 0.04
@@ -55,13 +47,11 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85
     muon_momentum: float = 0.95
     muon_momentum_warmup_steps: int = 300
-    # logging
     val_loss_every: int = 125  # 0: only after the last step
     log_dir: str = "logs"
     save_checkpoint: bool = False  # the final state, resumable, in log_dir/<run id>/
     checkpoint_every: int = 0  # a resumable checkpoint every N steps (0: off); a run keeps its last two
     resume: str = ""  # a checkpoint (state_step*.pt) to go on from, its options the defaults
-    # compilation and speed options
     compile: str = "auto"  # auto: compile on CUDA only (FlexAttention has no CPU backward)
     compile_tuning: bool = False  # inductor's coordinate descent: ~0.5% faster steps, +6 min of compile
     compile_cache: str = ""  # a file: load compiled code from it before compiling, save it after step 1
@@ -122,18 +112,13 @@ PRESETS = {
 BLOCK_SIZE = 128  # FlexAttention block; sequences are multiples of it
 EOT = 50256  # <|endoftext|>, precedes every document
 
-class UserError(Exception):
-    """One the user can fix (data, configuration, hardware): main() prints it, no traceback."""
+class UserError(Exception):  # one the user can fix: main() prints it, no traceback
     def __init__(self, message, every_rank=False):
         super().__init__(message)
-        # it may happen on one rank alone: print it there too, not on rank 0 only
-        self.every_rank = every_rank
+        self.every_rank = every_rank  # it may happen on one rank alone: print it there too
 
-# -----------------------------------------------------------------------------
-# Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024)
-
-def newton_schulz_wide(X, steps):
-    """The iteration on a stack of wide or square bf16 matrices, each normalised on its own."""
+# Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024) -----------------------------
+def newton_schulz_wide(X, steps):  # on a stack of wide or square bf16 matrices, each normalised alone
     a, b, c = 3.4445, -4.7750, 2.0315
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
@@ -142,17 +127,15 @@ def newton_schulz_wide(X, steps):
         X = a * X + B @ X
     return X
 
-def zeropower_via_newtonschulz5(G, steps):
-    """Fast, rough orthogonalisation (bf16): singular values land in 0.7 to 1.2."""
+def zeropower_via_newtonschulz5(G, steps):  # rough orthogonalisation (bf16): singular values 0.7 to 1.2
     assert G.ndim == 2
     tall = G.size(0) > G.size(1)  # iterate on the smaller Gram matrix
     X = newton_schulz_wide((G.mT if tall else G).to(torch.bfloat16)[None], steps)[0]
     return X.mT if tall else X
 
 class Muon(torch.optim.Optimizer):
-    """SGD-momentum (Nesterov) with an orthogonalised update, for the blocks' matrices; gradients come
-    averaged (DDP). Unsharded state; per shape group, rank r of W orthogonalises matrices r, r+W, ... as one
-    bf16 batch, then all ranks all-gather the results."""
+    """SGD-momentum (Nesterov), the update orthogonalised; gradients come averaged (DDP). Per shape group,
+    rank r of W orthogonalises matrices r, r+W, ... as one bf16 batch; all ranks all-gather the results."""
     def __init__(self, params, lr, momentum, nesterov=True, ns_steps=5, compiled=False):
         self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         params = list(params)
@@ -162,9 +145,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
         # compiled as in record 18; static shapes: one graph per stacked shape, never a recompile per step
         self.iterate = torch.compile(newton_schulz_wide, dynamic=False) if compiled else newton_schulz_wide
-        # Per group, allocated once, outside the state (small checkpoints): this rank's stacked input,
-        # zero-padded to even shares (zero orthogonalises to zero), and the gather buffer, where
-        # [r * share, (r + 1) * share) is rank r's
+        # per group, once, outside the state: this rank's stacked input, zero-padded to even shares (zero
+        # orthogonalises to zero), and the gather buffer, whose [r * share, (r + 1) * share) is rank r's
         shares = [math.ceil(len(g["params"]) / self.world_size) for g in groups]
         self.stacked = [params[0].new_zeros(n, *s, dtype=torch.bfloat16) for n, s in zip(shares, shapes)]
         self.gathered = [x.new_empty(self.world_size * len(x), *x.shape[1:]) if self.world_size > 1 else None
@@ -182,8 +164,7 @@ class Muon(torch.optim.Optimizer):
                 handle = dist.all_gather_into_tensor(gathered, orthogonalised, async_op=True)
                 orthogonalised = gathered
             launched.append((group, handle, orthogonalised))
-        # each gather has overlapped the later groups' batches
-        for group, handle, orthogonalised in launched:
+        for group, handle, orthogonalised in launched:  # each gather overlapped the later groups' batches
             if handle is not None:
                 handle.wait()
             share = len(orthogonalised) // self.world_size
@@ -192,8 +173,7 @@ class Muon(torch.optim.Optimizer):
                 scale = max(1, p.size(0) / p.size(1)) ** 0.5  # same RMS step for tall and wide matrices
                 p.add_(O.mT if p.size(0) > p.size(1) else O, alpha=-group["lr"] * scale)
 
-    def _stack_updates(self, mine, group, stacked):
-        """Momentum and Nesterov's look-ahead, written straight into this rank's stacked batch."""
+    def _stack_updates(self, mine, group, stacked):  # momentum, Nesterov's look-ahead, into the batch
         assert all(p.grad is not None for p in mine), "Muon: a matrix received no gradient"
         for p in mine:
             if "momentum_buffer" not in self.state[p]:
@@ -204,9 +184,7 @@ class Muon(torch.optim.Optimizer):
         wide = [u.mT if u.size(0) > u.size(1) else u for u in updates]
         torch._foreach_copy_(stacked[:len(mine)].unbind(), wide)
 
-# -----------------------------------------------------------------------------
-# Kernels: faster forms of model pieces, used only when an option asks; equal, up to rounding, to the maths
-
+# Kernels: faster forms of model pieces, used only when asked; equal, up to rounding, to the maths ---
 # --fused_head_loss: z = x W^T by cuBLAS; a Triton kernel reads each row once for the softcap c = 15t,
 # t = tanh(z / 15), and the loss logsumexp(c) - c[target], in training overwriting z with d(mean loss)/dz.
 if triton is not None:
@@ -251,7 +229,7 @@ HEAD_LAUNCH_CUDA = dict(ROWS=1, COLS=4096, num_warps=16, TANH_APPROX=True)  # fa
 HEAD_LAUNCH_CPU = dict(ROWS=64, COLS=2048, TANH_APPROX=False)  # the interpreter: numpy on big blocks, no PTX
 
 def softcapped_cross_entropy_(logits, targets, grad_scale=None):
-    """Per-row losses of 15 tanh(z / 15), z the logits; with grad_scale, z becomes grad_scale * d(their sum)/dz.
+    """Per-row losses of 15 tanh(z / 15) for logits z; with grad_scale, z becomes grad_scale * d(sum)/dz.
     CPU: Triton's interpreter (triton.jit chose the compiler at import; TRITON_INTERPRET switches all)."""
     assert logits.is_contiguous() and targets.dtype == torch.int64
     kernel, launch, buffer = softcapped_cross_entropy_kernel, HEAD_LAUNCH_CUDA, logits
@@ -273,8 +251,7 @@ def matmul(a, b, out_dtype=None):
     return a @ b if out_dtype in (None, a.dtype) else torch.mm(a, b, out_dtype=out_dtype)
 
 class FusedHeadLoss(torch.autograd.Function):
-    """Forward leaves d(mean loss)/d logits in the logits' buffer; backward scales the two small products by
-    the upstream gradient, never the logits. Gradients in x's dtype and W's fp32, as autograd makes them."""
+    """Forward leaves d(mean loss)/dz in the logits' buffer z; backward scales the small products, never z."""
     @staticmethod
     def forward(ctx, x, weight, targets):
         grad_logits = matmul(x, weight.type_as(x).T)  # the logits, until the kernel overwrites them
@@ -289,8 +266,7 @@ class FusedHeadLoss(torch.autograd.Function):
         grad_w = matmul(grad_logits.T, x).float().mul_(grad_loss) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
-class ChunkedHeadLoss(torch.autograd.Function):
-    """FusedHeadLoss by row chunks: forward makes grad_x and grad_W chunk by chunk, never all the logits."""
+class ChunkedHeadLoss(torch.autograd.Function):  # FusedHeadLoss by row chunks: never all the logits at once
     @staticmethod
     def forward(ctx, x, weight, targets, chunk_rows):
         w, loss, grad_w, grad_x = weight.type_as(x), 0, 0, torch.empty_like(x)
@@ -318,9 +294,7 @@ def fused_head_loss(x, weight, targets, chunk_rows=0):
     w, parts = weight.type_as(x), zip(x.split(chunk_rows or len(x)), targets.split(chunk_rows or len(x)))
     return torch.cat([softcapped_cross_entropy_(matmul(xs, w.T), ts) for xs, ts in parts]).mean()
 
-# -----------------------------------------------------------------------------
-# The model: a U-net GPT with value embeddings
-
+# The model: a U-net GPT with value embeddings -----------------------------------------------------
 def norm(x):
     return F.rms_norm(x, (x.size(-1),))  # no weight
 
@@ -444,14 +418,11 @@ class GPT(nn.Module):
         logits = 15 * torch.tanh(self.lm_head(x) / 15)  # logit softcap (as in Gemma 2)
         return F.cross_entropy(logits.float(), targets)
 
-# -----------------------------------------------------------------------------
-# Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
-
+# Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks ---
 def listed_rows(first, last, window_blocks):
-    """Per q-block (row), counts and lists of the partial and the full kv blocks, by arithmetic on each
-    block's first and last doc id (both nondecreasing). Contiguous documents, band window: row q's partial
-    blocks are one run [start, q] or, if q lies in one document, [start, full_start) and q; its full ones
-    [full_start, q). Lists are padded with q."""
+    """Per q-block (row), counts and lists of the partial and the full kv blocks, from each block's first and
+    last doc id (nondecreasing): row q's partial blocks are one run [start, q] or, if q lies in one document,
+    [start, full_start) and q; its full ones [full_start, q). Lists are padded with q."""
     q = torch.arange(len(first), device=first.device)[:, None]
     start = torch.maximum(torch.searchsorted(last, first)[:, None], q - window_blocks + 1)  # reaches q's doc
     full_start = torch.maximum(torch.searchsorted(first, first)[:, None], start)  # starts in q's doc
@@ -464,8 +435,7 @@ def listed_rows(first, last, window_blocks):
     lists = (partial_count[:, 0], partial, full_count[:, 0], full)
     return [t.to(torch.int32)[None, None].contiguous() for t in lists]
 
-def build_block_mask(inputs, window_blocks):
-    """FlexAttention's block mask, built without a sort: compiled, a sort can take forever to build."""
+def build_block_mask(inputs, window_blocks):  # FlexAttention's block mask, without a sort (compiled, slow)
     docs = (inputs == EOT).cumsum(0)
     first, last = docs[0::BLOCK_SIZE].contiguous(), docs[BLOCK_SIZE - 1::BLOCK_SIZE].contiguous()
     kv_lists, n = listed_rows(first, last, window_blocks), len(first)
@@ -479,20 +449,16 @@ def build_block_mask(inputs, window_blocks):
     return BlockMask((len(inputs),) * 2, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE,) * 2,
                      mask_mod=document_causal)
 
-def build_dense_mask(inputs, window_blocks):
-    """The same mask as a dense (T, T) boolean matrix, for attention on CPU."""
+def build_dense_mask(inputs, window_blocks):  # the same mask as a dense (T, T) boolean matrix, for CPU
     docs, pos = (inputs == EOT).cumsum(0), torch.arange(len(inputs), device=inputs.device)
     q, k = pos[:, None], pos[None, :]
     return (k <= q) & (k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks) & (docs[:, None] == docs[None, :])
 
-# -----------------------------------------------------------------------------
-# Data: token shards and the loader every rank walks in step
-
+# Data: token shards and the loader every rank walks in step ---------------------------------------
 SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
 REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
 
-def fetch_hint(num_iterations, batch_size):
-    """The command fetching the FineWeb shards a run reads (train and val)."""
+def fetch_hint(num_iterations, batch_size):  # the command fetching the FineWeb shards a run reads
     batches_per_shard = max(1, (100_000_000 - 2) // batch_size)  # whole batches in a 100M-token shard
     needed = -(-num_iterations // batches_per_shard)
     if needed <= 1:  # else one spare shard, the record's usual advice (9 for the 8 that 1390 steps read)
@@ -500,8 +466,7 @@ def fetch_hint(num_iterations, batch_size):
     return (f"fetch FineWeb with `python data/cached_fineweb10B.py {needed + 1}` "
             f"(this run reads {needed} train shards)")
 
-def read_shard_header(path):
-    """Validate a shard's header and size without reading its tokens; returns the token count."""
+def read_shard_header(path):  # validate a shard's header and size, unread tokens; returns the token count
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
@@ -518,8 +483,7 @@ def read_shard_header(path):
                         f"but the file has {size} bytes (truncated or corrupt); {REFETCH_HINT}")
     return num_tokens
 
-def load_data_shard(path, vocab_size=None):
-    """With vocab_size, every id is checked on the host: on a GPU, a bad id is a device-side assert."""
+def load_data_shard(path, vocab_size=None):  # with vocab_size, ids checked on the host
     num_tokens = read_shard_header(path)
     # pinned with CUDA, for asynchronous copies to the GPU
     tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=torch.cuda.is_available())
@@ -554,16 +518,14 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
             state = table[state][choice]
     return np.array(tokens[:num_tokens])
 
-def make_writable_folder(folder, option):
-    """Make the folder if needed and write a file in it: an unusable place fails now, in one line."""
+def make_writable_folder(folder, option):  # make the folder and write in it: an unusable place fails now
     try:
         os.makedirs(folder, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         raise UserError(f"{option}: cannot make or write to {folder} ({e.strerror}): pick another") from None
 
-def prepare_shards(args, split, num_tokens):
-    """A split's shard glob; "synthetic": the seeded stream, written by each rank (same bytes, own file)."""
+def prepare_shards(args, split, num_tokens):  # a glob; "synthetic": the seeded stream, written by each rank
     pattern = getattr(args, f"{split}_files")
     if pattern != "synthetic":
         return pattern
@@ -575,8 +537,7 @@ def prepare_shards(args, split, num_tokens):
     os.replace(tmp, path)
     return glob.escape(str(path))
 
-class DistributedDataLoader:
-    """All ranks walk one global token stream; of each batch, rank r takes the r-th share."""
+class DistributedDataLoader:  # all ranks walk one global token stream; of each batch, rank r takes share r
     def __init__(self, files_pattern, rank, world_size, device, hint=None, vocab_size=None):
         self.files = sorted(glob.glob(files_pattern))
         if not self.files:
@@ -586,8 +547,7 @@ class DistributedDataLoader:
         self.rank, self.world_size, self.device, self.vocab_size = rank, world_size, device, vocab_size
         self.reset()
 
-    def batches_before_wrap(self, batch_size):
-        """Whole batches the shards give, taken as next_batch takes them, before the stream wraps."""
+    def batches_before_wrap(self, batch_size):  # whole batches, taken as next_batch takes them, before a wrap
         for path, n in zip(self.files, self.sizes):
             if n < batch_size + 2:  # next_batch takes a batch while pos + batch + 1 < tokens
                 raise UserError(f"{path}: {n:,} tokens, fewer than one batch of {batch_size:,} + 2 (the last "
@@ -607,9 +567,7 @@ class DistributedDataLoader:
         return (chunk[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True),  # inputs, targets
                 chunk[1:].to(device=self.device, dtype=torch.int64, non_blocking=True))
 
-# -----------------------------------------------------------------------------
-# Training loop
-
+# Training loop ------------------------------------------------------------------------------------
 UNTIMED_STEPS = 10  # the first steps compile and warm up; train_time starts after them
 
 def lr_multiplier(step, args):  # stable, then linear decay to 0 over the last cooldown_frac of the steps
@@ -620,20 +578,17 @@ def muon_momentum(step, args):
     frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps else 1
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
-def window_blocks_at(step, args):
-    """Attention window in whole blocks, growing linearly (1 to 14 blocks by default)."""
+def window_blocks_at(step, args):  # attention window in whole blocks, growing linearly (1 to 14 by default)
     x = step / args.num_iterations
     return int(((1 - x) * args.window_start + x * args.window_end) // BLOCK_SIZE)
 
 def step_avg(train_time_ms, timed_steps):  # mean ms per timed step: the untimed warm-up steps are left out
     return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
-def switched_on(option, device):
-    """An auto/true/false option; auto: on with CUDA, where it measured faster, off on CPU."""
+def switched_on(option, device):  # auto/true/false; auto: on with CUDA (faster there), off on CPU
     return option == "true" or (option == "auto" and device.type == "cuda")
 
-def micro_batch_plan(args, world_size):
-    """Micro-batch size and count per process, and the val batch: the checks that need the process count."""
+def micro_batch_plan(args, world_size):  # micro-batch size and count, val batch; checks needing W
     share, val_batch = args.batch_size // world_size, world_size * args.max_device_batch_size
     micro = min(args.max_device_batch_size, share)
     if args.batch_size % world_size:
@@ -648,8 +603,7 @@ def micro_batch_plan(args, world_size):
                         f"--max_device_batch_size = {val_batch}")
     return micro, share // micro, val_batch
 
-def nvidia_smi_gpus():
-    """(name, driver version) of each GPU that nvidia-smi lists; none without nvidia-smi or its answer."""
+def nvidia_smi_gpus():  # (name, driver) of each GPU nvidia-smi lists; none without its answer
     query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         listed = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True).stdout
@@ -677,8 +631,7 @@ def setup_device():  # rank, world size and device, from torchrun's environment 
     torch.cuda.set_device(device)
     return rank, world_size, device
 
-def build_loaders(args, rank, world_size, device, val_batch):
-    """Train and val loaders, the data budget checked from the shard headers (the loaders wrap silently)."""
+def build_loaders(args, rank, world_size, device, val_batch):  # and the data budget, from shard headers
     hint = fetch_hint(args.num_iterations, args.batch_size)
     train_pattern = prepare_shards(args, "train", args.num_iterations * args.batch_size + 2)
     train_loader = DistributedDataLoader(train_pattern, rank, world_size, device, hint, args.vocab_size)
@@ -704,8 +657,7 @@ def build_loaders(args, rank, world_size, device, val_batch):
                         f"{val_batch:,}): lower --val_tokens, or add val shards")
     return train_loader, val_loader, passes
 
-class RunLog(contextlib.AbstractContextManager):
-    """Rank 0's log, logs/<uuid>.txt: source, environment, configuration, steps, any error that ended it."""
+class RunLog(contextlib.AbstractContextManager):  # rank 0's logs/<uuid>.txt: source, setup, steps, errors
     def __init__(self, args, master):
         self.file, self.run_id = None, str(uuid.uuid4())
         if master:
@@ -749,8 +701,7 @@ class RunLog(contextlib.AbstractContextManager):
             self(f"compile cache {args.compile_cache}: {cache_note}")
         self("=" * 100, console=False)
 
-def build_optimizers(model, args, compiled=False):
-    """Fused Adam for the embeddings, the head and the scalars; Muon for the blocks' matrices."""
+def build_optimizers(model, args, compiled=False):  # fused Adam: embeddings, head, scalars; Muon: matrices
     tables = [model.embed.weight, *(t.weight for t in model.value_embeds)]
     adam_groups = [dict(params=tables, lr=args.embed_lr), dict(params=[model.lm_head.weight], lr=args.head_lr),
                    dict(params=[p for p in model.parameters() if p.ndim < 2], lr=args.scalar_lr)]
@@ -762,15 +713,13 @@ def build_optimizers(model, args, compiled=False):
         group["initial_lr"] = group["lr"]
     return adam, muon
 
-def build_model(args, device, world_size, compiled):
-    """The model, its optimisers, and the module the step calls (compiled, wrapped in DDP)."""
+def build_model(args, device, world_size, compiled):  # the model, its optimisers, the (compiled, DDP) module
     torch.manual_seed(args.seed)
     model = GPT.from_args(args, device).to(device)
     adam, muon = build_optimizers(model, args, compiled=compiled)
     train_model = model
     if compiled:
-        # record 18 sets no inductor option; on an H100 this made the first compile 514 s instead of 120 s
-        if args.compile_tuning:
+        if args.compile_tuning:  # not in record 18: on an H100, a first compile of 514 s instead of 120 s
             from torch._inductor import config as inductor_config
             inductor_config.coordinate_descent_tuning = True
         train_model = compile_regions(model) if args.regional_compile else torch.compile(model, dynamic=False)
@@ -779,21 +728,18 @@ def build_model(args, device, world_size, compiled):
                           broadcast_buffers=False, gradient_as_bucket_view=True)
     return model, train_model, adam, muon
 
-def compile_regions(model):
-    """Each block and the head compiled alone: 4 block forms (x0 input, value-embedded, plain, no attention)."""
+def compile_regions(model):  # each block and the head compiled alone: 4 block forms traced, not 12 blocks
     for block in model.blocks:
         block.compile(dynamic=False)
     model.head_loss = torch.compile(model.head_loss, dynamic=False)
     return model
 
-def compile_cache_stamp(device):
-    """What compiled code depends on: a cache file made under another stamp is not used."""
+def compile_cache_stamp(device):  # what compiled code depends on: a cache of another stamp is unused
     triton = next((d.version for d in importlib.metadata.distributions(name="triton")), None)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return f"train_gpt compile cache: torch {torch.__version__}, triton {triton}, {gpu}"
 
-def load_compile_cache(path, stamp):
-    """Fill the compile caches from a saved file; returns what happened, for the log."""
+def load_compile_cache(path, stamp):  # fill the compile caches from a file; returns what happened
     if not os.path.exists(path):
         return "not found; rank 0 writes it after step 1"
     try:
@@ -819,9 +765,8 @@ def save_compile_cache(path, stamp):  # a temp file in the same folder, renamed 
         return f"not saved: {e}"
     return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
-def startup_report(args, compiled, stamp, master):
-    """Seconds from launch to step 1's end, with the compile share and the caches' hits."""
-    line = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step 1"
+def startup_report(args, compiled, stamp, master, step):  # launch to the first step's end, compile, cache hits
+    line = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step {step}"
     if compiled:  # compile time and the caches' own hit counts, from torch._dynamo
         spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)().get("total_wall_time", math.nan)
         fx, aot = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
@@ -831,8 +776,7 @@ def startup_report(args, compiled, stamp, master):
             line += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
     return line
 
-def start_profiler(args, device, master):
-    """--profile N: N train steps on rank 0 after warm-up (earlier in short runs)."""
+def start_profiler(args, device, master):  # --profile N: N train steps on rank 0 after warm-up
     if not (master and args.profile):
         return None
     wait = max(0, min(12, args.num_iterations - args.profile))
@@ -843,8 +787,7 @@ def start_profiler(args, device, master):
     profiler.start()
     return profiler
 
-def report_profile(profiler, args, log, device):
-    """The trace beside the log, and the top kernels into the log as "profile:" lines."""
+def report_profile(profiler, args, log, device):  # the trace beside the log, top kernels into it
     trace_path = os.path.join(os.path.dirname(log.path), f"{log.run_id}.trace.json")
     profiler.stop()
     profiler.export_chrome_trace(trace_path)
@@ -876,8 +819,7 @@ def out_of_memory_as_error(micro):
 def peak_memory_mib(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() // 2 ** 20
-    # CPU: peak resident memory, which Linux gives in KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # CPU: peak resident (KiB on Linux)
 
 @torch.no_grad()
 def evaluate(model, loader, args, val_batch, window_blocks, world_size):
@@ -920,8 +862,7 @@ class CleanStop(contextlib.AbstractContextManager):
 def train_shards(args):  # names and token counts ("synthetic": none, its stream is fixed by the options)
     return [f"{os.path.basename(f)}:{read_shard_header(f)}" for f in sorted(glob.glob(args.train_files))]
 
-def load_checkpoint(argv, path):
-    """A checkpoint, and its options overridden by those given: not the model, the batch, schedule or data."""
+def load_checkpoint(argv, path):  # a checkpoint, and its options overridden by those given (not all may be)
     try:  # the zip's CRCs catch a flipped byte in tensor data, which torch.load misses
         if damaged := zipfile.ZipFile(path).testzip():
             raise ValueError(f"{damaged} fails its CRC check")
@@ -942,8 +883,7 @@ def load_checkpoint(argv, path):
     note = f"resumed from {path} at step {checkpoint['step']}{'; options changed: ' * bool(changes)}{changes}"
     return args, dict(checkpoint, note=note)
 
-def resume(checkpoint, log, model, adam, muon, train_loader):
-    """This rank's part (its Muon matrices' momenta; Adam at this run's learning rates), popped to free it."""
+def resume(checkpoint, log, model, adam, muon, train_loader):  # this rank's part, popped to free the rest
     model.load_state_dict(checkpoint.pop("model"))
     adam.load_state_dict(dict(checkpoint.pop("adam"), param_groups=adam.state_dict()["param_groups"]))
     names, momenta = {p: name for name, p in model.named_parameters()}, checkpoint.pop("muon")
@@ -1025,8 +965,7 @@ def train(args, checkpoint=None):
                 break
 
             inputs, targets = train_loader.next_batch(args.batch_size)
-            # gradients are all-reduced once per step, on the last micro-batch
-            for i in range(accum_steps):
+            for i in range(accum_steps):  # gradients are all-reduced once per step, on the last micro-batch
                 last_micro = i == accum_steps - 1
                 with train_model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext():
                     part = slice(i * micro, (i + 1) * micro)
@@ -1038,15 +977,14 @@ def train(args, checkpoint=None):
             adam.step()
             muon.step()
             model.zero_grad(set_to_none=True)
-            # no sync: the step stays asynchronous, so this time is approximate
-            approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
+            approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: approximate
             average = step_avg(approx_ms, timed_steps + (step >= timed_from))
             log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{average:.2f}ms")
             if profiler:
                 profiler.step()
             if step == start:  # everything has compiled now: eval at step 0, model and optimisers in step 1
                 synchronize(device)
-                log(startup_report(args, compiled, stamp, master=rank == 0))
+                log(startup_report(args, compiled, stamp, rank == 0, step + 1))
         if profiler:
             report_profile(profiler, args, log, device)
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
@@ -1059,9 +997,7 @@ def train(args, checkpoint=None):
         dist.barrier()  # no rank tears the process group down while another still writes or reduces
     return 128 + stopping if stopping else 0  # as if the signal had ended the process
 
-# -----------------------------------------------------------------------------
-# main
-
+# main ---------------------------------------------------------------------------------------------
 def parse_bool(text):
     if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
