@@ -219,7 +219,7 @@ def op_names(graph_module):
 
 
 def test_compiled_mask_holds_no_sort_and_equals_the_token_level_blocks():
-    # a sort in the compiled graph can take forever to compile (PyTorch issues 182060, 138514): none may be
+    # a sort in the compiled graph can take forever to compile (a known PyTorch problem): none may be
     # in the traced graph nor in the graph Inductor lowers (after decompositions); one compile at 16,384 tokens
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.utils import fresh_inductor_cache
