@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -eq 0 ]; then
-    echo "run.sh: no CUDA GPU visible. For a CPU smoke run (about half a minute), see README.md:" >&2
+    echo "run.sh: no CUDA GPU visible. For a CPU smoke run (under a minute), see README.md:" >&2
     echo "  python train_gpt.py --preset smoke" >&2
     exit 1
 fi
