@@ -290,9 +290,10 @@ def fused_head_loss(x, weight, targets, chunk_rows=0):
         if chunk_rows:
             return ChunkedHeadLoss.apply(x, weight, targets, chunk_rows)
         return FusedHeadLoss.apply(x, weight, targets)
-    # eval: the loss only, in chunks as in training
-    w, parts = weight.type_as(x), zip(x.split(chunk_rows or len(x)), targets.split(chunk_rows or len(x)))
-    return torch.cat([softcapped_cross_entropy_(matmul(xs, w.T), ts) for xs, ts in parts]).mean()
+    if chunk_rows:  # eval: the loss only, in chunks as in training
+        w, parts = weight.type_as(x), zip(x.split(chunk_rows), targets.split(chunk_rows))
+        return torch.cat([softcapped_cross_entropy_(matmul(xs, w.T), ts) for xs, ts in parts]).mean()
+    return softcapped_cross_entropy_(matmul(x, weight.type_as(x).T), targets).mean()
 
 # The model: a U-net GPT with value embeddings -----------------------------------------------------
 def norm(x):
@@ -545,6 +546,7 @@ class DistributedDataLoader:  # all ranks walk one global token stream; of each 
                             "or point --train_files/--val_files at your shards")
         self.sizes = [read_shard_header(path) for path in self.files]  # a bad shard fails now, not hours in
         self.rank, self.world_size, self.device, self.vocab_size = rank, world_size, device, vocab_size
+        self.checked = set()  # shards whose ids were checked: evaluation reloads shard 0 each time
         self.reset()
 
     def batches_before_wrap(self, batch_size):  # whole batches, taken as next_batch takes them, before a wrap
@@ -555,7 +557,9 @@ class DistributedDataLoader:  # all ranks walk one global token stream; of each 
         return sum((n - 2) // batch_size for n in self.sizes)
 
     def reset(self, shard=0, pos=0):  # to a position in a shard, the first shard's start by default
-        self.shard, self.pos, self.tokens = shard, pos, load_data_shard(self.files[shard], self.vocab_size)
+        vocab_size = None if shard in self.checked else self.vocab_size
+        self.shard, self.pos, self.tokens = shard, pos, load_data_shard(self.files[shard], vocab_size)
+        self.checked.add(shard)
 
     def next_batch(self, batch_size):
         if self.pos + batch_size + 1 >= len(self.tokens):  # build_loaders checked every shard holds a batch
@@ -900,7 +904,7 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
     names, momenta, t = {p: name for name, p in model.named_parameters()}, {}, time.perf_counter()
     for group in muon.param_groups:
         for i, p in enumerate(group["params"]):  # matrix i is rank i % W's, the one holding its momentum
-            momenta[names[p]] = muon.state[p].get("momentum_buffer", torch.empty_like(p))
+            momenta[names[p]] = muon.state[p].get("momentum_buffer", torch.zeros_like(p))
             if muon.world_size > 1:
                 dist.broadcast(momenta[names[p]], src=i % muon.world_size)
     path = os.path.join(args.log_dir, log.run_id, f"state_step{step:06d}.pt")
