@@ -99,15 +99,11 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
 
 # A small model and a short run: under a minute on a 2-core CPU, every part exercised (tests/test_options.py).
 # A CPU step is mostly the 50,304-wide head: so few steps, and 8x the record's head lr, to learn in 12 steps.
-PRESETS = {
-    "smoke": dict(
-        num_layers=8, num_heads=2, model_dim=64, head_lr=0.064,
-        batch_size=1024, max_device_batch_size=512,  # 2 micro-batches on 1 process; 1 to 8 fit
-        num_iterations=12, val_loss_every=4, val_tokens=4096,
-        window_end=512 + 64,  # 1 to 4 blocks: the whole 512-token sequence at the end
-        train_files="synthetic", val_files="synthetic",  # no download: see markov_stream
-    ),
-}
+PRESETS = {"smoke": dict(
+    num_layers=8, num_heads=2, model_dim=64, head_lr=0.064, num_iterations=12, val_loss_every=4,
+    batch_size=1024, max_device_batch_size=512, val_tokens=4096,  # 2 micro-batches on 1 process; 1 to 8 fit
+    window_end=512 + 64,  # 1 to 4 blocks: the whole 512-token sequence at the end
+    train_files="synthetic", val_files="synthetic")}  # no download: see markov_stream
 
 BLOCK_SIZE = 128  # FlexAttention block; sequences are multiples of it
 EOT = 50256  # <|endoftext|>, precedes every document
@@ -126,12 +122,6 @@ def newton_schulz_wide(X, steps):  # on a stack of wide or square bf16 matrices,
         B = b * A + c * A @ A
         X = a * X + B @ X
     return X
-
-def zeropower_via_newtonschulz5(G, steps):  # rough orthogonalisation (bf16): singular values 0.7 to 1.2
-    assert G.ndim == 2
-    tall = G.size(0) > G.size(1)  # iterate on the smaller Gram matrix
-    X = newton_schulz_wide((G.mT if tall else G).to(torch.bfloat16)[None], steps)[0]
-    return X.mT if tall else X
 
 class Muon(torch.optim.Optimizer):
     """SGD-momentum (Nesterov), the update orthogonalised; gradients come averaged (DDP). Per shape group,
@@ -184,7 +174,7 @@ class Muon(torch.optim.Optimizer):
         wide = [u.mT if u.size(0) > u.size(1) else u for u in updates]
         torch._foreach_copy_(stacked[:len(mine)].unbind(), wide)
 
-# Kernels: faster forms of model pieces, used only when asked; equal, up to rounding, to the maths ---
+# Kernels: faster forms of model pieces, equal to their maths up to rounding -----------------------
 # --fused_head_loss: z = x W^T by cuBLAS; a Triton kernel reads each row once for the softcap c = 15t,
 # t = tanh(z / 15), and the loss logsumexp(c) - c[target], in training overwriting z with d(mean loss)/dz.
 if triton is not None:
@@ -460,20 +450,17 @@ SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
 REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
 
 def fetch_hint(num_iterations, batch_size):  # the command fetching the FineWeb shards a run reads
-    batches_per_shard = max(1, (100_000_000 - 2) // batch_size)  # whole batches in a 100M-token shard
-    needed = -(-num_iterations // batches_per_shard)
-    if needed <= 1:  # else one spare shard, the record's usual advice (9 for the 8 that 1390 steps read)
-        return "fetch FineWeb with `python data/cached_fineweb10B.py 1`"
-    return (f"fetch FineWeb with `python data/cached_fineweb10B.py {needed + 1}` "
-            f"(this run reads {needed} train shards)")
+    needed = -(-num_iterations // max(1, (100_000_000 - 2) // batch_size))  # whole batches in 100M tokens
+    # beyond one, a spare shard: the record's usual advice (9 for the 8 that 1390 steps read)
+    shards = f"{needed + 1}` (this run reads {needed} train shards)" if needed > 1 else "1`"
+    return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
 
 def read_shard_header(path):  # validate a shard's header and size, unread tokens; returns the token count
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
     if len(header) < 256:
-        raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the 1024-byte header); "
-                        f"{REFETCH_HINT}")
+        raise UserError(f"{path}: truncated shard ({size} bytes, under the 1024-byte header); {REFETCH_HINT}")
     if header[0] != SHARD_MAGIC:
         raise UserError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
     if header[1] != SHARD_VERSION:
@@ -599,9 +586,8 @@ def micro_batch_plan(args, world_size):  # micro-batch size and count, val batch
         raise UserError(f"the global batch of {args.batch_size} tokens does not divide among {world_size} "
                         "processes; use 1, 2, 4 or 8 processes, or a --batch_size divisible by the process count")
     if share % micro or micro % BLOCK_SIZE:
-        raise UserError(f"each process's {share} tokens must split into equal micro-batches of at most "
-                        f"--max_device_batch_size {args.max_device_batch_size}, each a multiple of "
-                        f"{BLOCK_SIZE}")
+        raise UserError(f"each process's {share} tokens must split into equal micro-batches, multiples of "
+                        f"{BLOCK_SIZE} of at most --max_device_batch_size {args.max_device_batch_size}")
     if args.val_tokens % val_batch:
         raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x "
                         f"--max_device_batch_size = {val_batch}")
@@ -675,8 +661,7 @@ class RunLog(contextlib.AbstractContextManager):  # rank 0's logs/<uuid>.txt: so
         if self.file:
             if console:
                 print(line, file=None if console is True else console)
-            self.file.write(line + "\n")
-            self.file.flush()
+            print(line, file=self.file, flush=True)
 
     def __exit__(self, kind, error, traceback):
         if isinstance(error, UserError):
@@ -691,8 +676,7 @@ class RunLog(contextlib.AbstractContextManager):  # rank 0's logs/<uuid>.txt: so
                  f"devices: {world_size} x {gpu}"]
         if shutil.which("nvidia-smi"):
             lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.rstrip())
-        lines += ["=" * 100, "hyperparameters:"]
-        lines += [f"  {name} = {value}" for name, value in asdict(args).items()]
+        lines += ["=" * 100, "hyperparameters:", *(f"  {name} = {value}" for name, value in asdict(args).items())]
         lines += [f"{name} shards ({len(loader.files)}): {' '.join(loader.files)}"
                   for name, loader in (("train", train_loader), ("val", val_loader))]
         self("\n".join(lines), console=False)
@@ -820,10 +804,9 @@ def out_of_memory_as_error(micro):
                         f"--max_device_batch_size {micro // 2} (half usually fits; the global batch and the "
                         "maths stay the same)", every_rank=True) from None
 
-def peak_memory_mib(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() // 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # CPU: peak resident (KiB on Linux)
+def peak_memory_mib(device):  # CPU: the peak resident set (ru_maxrss is in KiB on Linux)
+    return (torch.cuda.max_memory_allocated() // 2 ** 20 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 
 @torch.no_grad()
 def evaluate(model, loader, args, val_batch, window_blocks, world_size):
