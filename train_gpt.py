@@ -60,7 +60,6 @@ class Hyperparameters:
     fused_head_loss: str = "auto"  # softcap, cross-entropy and its gradient in one Triton kernel; auto: CUDA
     head_chunk_rows: int = 0  # fused head: logits this many rows at a time (0: the whole micro-batch at once)
     fused_qkv: bool = False  # q, k, v as one product of the stacked weights (still three matrices for Muon)
-    profile: int = 0  # profile this many train steps after warm-up: trace and top-kernel table in log_dir
 
 def check_hyperparameters(args):  # refuse any value that cannot work, naming the option and its valid range
     mdbs, heads = args.max_device_batch_size, args.num_heads
@@ -72,7 +71,7 @@ def check_hyperparameters(args):  # refuse any value that cannot work, naming th
          f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),  # whole blocks, within Rotary's table
         ("val_tokens", lambda v: v > 0 and v % mdbs == 0, f"a positive multiple of --max_device_batch_size ({mdbs})"),
         ("num_iterations num_heads", lambda v: v >= 1, "at least 1"),
-        ("val_loss_every checkpoint_every head_chunk_rows attention_free_layer muon_momentum_warmup_steps profile",
+        ("val_loss_every checkpoint_every head_chunk_rows attention_free_layer muon_momentum_warmup_steps",
          lambda v: v >= 0, "at least 0"),
         ("cooldown_frac", lambda v: 0 <= v <= 1, "from 0 (no decay) to 1 (decay from the first step)"),
         # the window, interpolated between these two, must hold at least one whole block at every step
@@ -764,28 +763,6 @@ def startup_report(args, compiled, stamp, master, step):  # launch to the first 
             line += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
     return line
 
-def start_profiler(args, device, master):  # --profile N: N train steps on rank 0 after warm-up
-    if not (master and args.profile):
-        return None
-    wait = max(0, min(12, args.num_iterations - args.profile))
-    cuda = [torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")
-    schedule = torch.profiler.schedule(wait=wait, warmup=0, active=args.profile, repeat=1)
-    activities = [torch.profiler.ProfilerActivity.CPU, *cuda]
-    profiler = torch.profiler.profile(activities=activities, schedule=schedule)
-    profiler.start()
-    return profiler
-
-def report_profile(profiler, args, log, device):  # the trace beside the log, top kernels into it
-    trace_path = os.path.join(os.path.dirname(log.path), f"{log.run_id}.trace.json")
-    profiler.stop()
-    profiler.export_chrome_trace(trace_path)
-    first = max(0, min(12, args.num_iterations - args.profile)) + 1
-    log(f"profile: {args.profile} step(s) from step {first} ran under the profiler, so the times above are "
-        f"not representative; trace for Perfetto or chrome://tracing: {trace_path}")
-    kind = "device" if device.type == "cuda" else "cpu"
-    for line in profiler.key_averages().table(sort_by=f"self_{kind}_time_total", row_limit=25).splitlines():
-        log(f"profile: {line}", console=False)
-
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -923,7 +900,6 @@ def train(args, checkpoint=None):
         timed_from = max(start + 1, UNTIMED_STEPS)  # a resumed run's first step compiles: untimed
         # a device tensor, changed in place: the compiled graph sees a new value, never a new constant
         window_blocks = torch.tensor(window_blocks_at(0, args), dtype=torch.int32, device=device)
-        profiler = start_profiler(args, device, master=rank == 0)
         N = args.num_iterations
         train_time_ms, t0, saved = timed_ms, time.perf_counter(), None
         for step in range(start, N + 1):
@@ -967,13 +943,9 @@ def train(args, checkpoint=None):
             approx_ms = train_time_ms + 1000 * (time.perf_counter() - t0)  # no sync: approximate
             average = step_avg(approx_ms, timed_steps + (step >= timed_from))
             log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{average:.2f}ms")
-            if profiler:
-                profiler.step()
             if step == start:  # everything has compiled now: eval at step 0, model and optimisers in step 1
                 synchronize(device)
                 log(startup_report(args, compiled, stamp, rank == 0, step + 1))
-        if profiler:
-            report_profile(profiler, args, log, device)
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
         if stopping:  # the last line of the log and of stderr
             launcher = f"torchrun --standalone --nproc_per_node={world_size}" if world_size > 1 else "python"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+PROFILE = "records/profile_run.py"  # the profiling tool, which runs the trainer
 
 # CPU steps allocate logits of 100+ MB; glibc maps and zeroes each afresh, which was 40% of a smoke run (page
 # faults). Freed memory stays in the heap instead: in this process, and in every process the tests start
@@ -55,14 +56,14 @@ def markov_shards(tmp_path_factory):
     return str(folder / "markov_train_*.bin"), str(folder / "markov_val_*.bin"), val
 
 
-def run_trainer(args, nproc=1, timeout=600, threads=None):
-    """Run train_gpt.py as users do: plainly for one process, through torchrun for several; `threads` per
-    process, by default the cores shared out."""
+def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py"):
+    """Run train_gpt.py (or a tool wrapping it) as users do: plainly for one process, through torchrun for
+    several; `threads` per process, by default the cores shared out."""
     if nproc == 1:
-        cmd = [sys.executable, str(REPO / "train_gpt.py"), *args]
+        cmd = [sys.executable, str(REPO / script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "train_gpt.py"), *args]
+               str(REPO / script), *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads or max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
@@ -135,11 +136,11 @@ class SmokeRuns:
         self.logs, self.stdout = {}, {}
         self.runs, self.launching = {}, False
 
-    def log(self, name, nproc, *extra):
+    def log(self, name, nproc, *extra, script="train_gpt.py"):
         if name not in self.runs:
             log_dir = self.tmp.mktemp(name)
             args = ["--preset", "smoke", "--log_dir", str(log_dir), *extra]
-            self.runs[name] = log_dir, BACKGROUND.once(name, run_trainer, args, nproc, threads=1)
+            self.runs[name] = log_dir, BACKGROUND.once(name, run_trainer, args, nproc, threads=1, script=script)
         if self.launching:
             return None
         if name not in self.logs:
@@ -171,12 +172,13 @@ class SmokeRuns:
         return self.log("full_1proc", 1, "--val_tokens", "1024")
 
     # plain and fused head on 2 steps of one 128-token sequence: the interpreted kernel costs about 10 ms a row
-    # of 50,304 logits. The fused run is profiled too (the profiler does not change the maths)
+    # of 50,304 logits. The plain run goes through records/profile_run.py (the profiler does not change the maths)
     def head(self, fused):
-        extra = ["--fused_head_loss", "true", "--profile", "1"] if fused else []
+        extra, script = (["--fused_head_loss", "true"], "train_gpt.py") if fused else (["--steps", "1"], PROFILE)
         return self.log(f"head_{'fused' if fused else 'plain'}_1proc", 1, "--train_files", self.train,
                         "--val_files", self.val, "--num_layers", "6", "--num_iterations", "2", "--val_loss_every",
-                        "2", "--batch_size", "128", "--max_device_batch_size", "128", "--val_tokens", "128", *extra)
+                        "2", "--batch_size", "128", "--max_device_batch_size", "128", "--val_tokens", "128", *extra,
+                        script=script)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ SOURCE = (REPO / "train_gpt.py").read_text()
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
 TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
 STARTUP_LINE = re.compile(r"^startup: (\d+\.\d)s from launch to the end of step \d+")  # the one line besides steps
-# and lines of options: --profile's report, checkpoints, a resumed run's notes, a stopped run's last line
+# and lines of options and tools: profile_run.py's report, checkpoints, a resumed run's notes, a stopped run's last line
 OPTION_LINES = ("profile: ", "checkpoint: ", "resumed from ", "warning: resumed ", "stopped by ")
 
 

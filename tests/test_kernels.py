@@ -1,7 +1,6 @@
 """The speed options compute what the plain model computes: each against an independent
 reference (the unfused PyTorch expression, float64 where rounding matters), forward and gradient."""
 import functools
-import json
 
 import pytest
 import torch
@@ -268,18 +267,3 @@ def test_fused_qkv_attention_matches_three_products_in_float32():
     assert torch.allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-
-
-@needs_triton
-@smoke_marked(("head", True))
-def test_profile_writes_a_trace_and_the_top_ops_table_into_the_log(smoke_runs):
-    log = smoke_runs.head(fused=True)  # 2 steps, --profile 1, with the fused head loss
-    stdout = smoke_runs.stdout["head_fused_1proc"]
-    trace = log.with_suffix(".trace.json")
-    assert f"trace for Perfetto or chrome://tracing: {trace}" in stdout
-    assert len(json.loads(trace.read_text())["traceEvents"]) > 100
-    profile = [line for line in log.read_text().splitlines() if line.startswith("profile: ")]
-    assert profile[0].startswith("profile: 1 step(s) from step 2 ran under the profiler")  # min(12, 2 - 1) = 1
-    assert any("Name" in line and "Self CPU" in line for line in profile[1:])
-    losses = val_losses(log)  # the step lines and the closing memory line keep the log's fixed format
-    assert sorted(losses) == [0, 2] and losses[2] < losses[0]

@@ -41,7 +41,6 @@ BAD = {
     "head_chunk_rows": ["-1"],
     "compile_cache": ["{folder}"],
     "seed": ["-1", str(2 ** 64)],  # -1: a ValueError from numpy once
-    "profile": ["-1"],
     "checkpoint_every": ["-1"],
     "resume": ["{folder}", "{file}", "missing.pt"],  # a folder without checkpoints, an empty file, no file
 }
@@ -53,7 +52,7 @@ NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_
 GOOD = {
     "cooldown_frac": ["0", "1"], "adam_beta1": ["0"], "adam_beta2": ["0.999"], "muon_momentum_start": ["0"],
     "muon_momentum": ["0"], "embed_lr": ["0"], "head_lr": ["0"], "scalar_lr": ["0"], "muon_lr": ["0"],
-    "adam_eps": ["1e-30"], "val_loss_every": ["0"], "profile": ["0"], "muon_momentum_warmup_steps": ["0"],
+    "adam_eps": ["1e-30"], "val_loss_every": ["0"], "muon_momentum_warmup_steps": ["0"],
     "attention_free_layer": ["0", "100"], "window_start": ["128", "5000"], "window_end": ["128"],
     "vocab_size": ["50257"], "num_layers": ["6"], "num_heads": ["1", "192"], "model_dim": ["24"],
     "batch_size": ["128"], "max_device_batch_size": ["128", "65536"], "num_iterations": ["1"],
