@@ -1,18 +1,15 @@
 """records/profile_run.py: a real profiled run (its trace and its report in the log), and its options."""
 import json
-import sys
 from dataclasses import asdict
 
 import pytest
 import torch
 
-from conftest import REPO, smoke_marked
+from conftest import load_records_script, smoke_marked
 from test_end_to_end import val_losses
 from train_gpt import Hyperparameters
 
-sys.path.insert(0, str(REPO / "records"))
-import compare  # noqa: E402
-import profile_run  # noqa: E402
+compare, profile_run = load_records_script("compare"), load_records_script("profile_run")
 
 
 @smoke_marked(("head", False))
