@@ -532,7 +532,7 @@ class DistributedDataLoader:  # all ranks walk one global token stream; of each 
                             "or point --train_files/--val_files at your shards")
         self.sizes = [read_shard_header(path) for path in self.files]  # a bad shard fails now, not hours in
         self.rank, self.world_size, self.device, self.vocab_size = rank, world_size, device, vocab_size
-        self.checked = set()  # shards whose ids were checked: evaluation reloads shard 0 each time
+        self.shard = None  # none loaded yet
         self.reset()
 
     def batches_before_wrap(self, batch_size):  # whole batches, taken as next_batch takes them, before a wrap
@@ -543,9 +543,9 @@ class DistributedDataLoader:  # all ranks walk one global token stream; of each 
         return sum((n - 2) // batch_size for n in self.sizes)
 
     def reset(self, shard=0, pos=0):  # to a position in a shard, the first shard's start by default
-        vocab_size = None if shard in self.checked else self.vocab_size
-        self.shard, self.pos, self.tokens = shard, pos, load_data_shard(self.files[shard], vocab_size)
-        self.checked.add(shard)
+        if shard != self.shard:  # evaluation goes back to shard 0 each time: it stays loaded, read once
+            self.tokens = load_data_shard(self.files[shard], self.vocab_size)
+        self.shard, self.pos = shard, pos
 
     def next_batch(self, batch_size):
         if self.pos + batch_size + 1 >= len(self.tokens):  # build_loaders checked every shard holds a batch

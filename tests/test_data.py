@@ -46,6 +46,19 @@ def test_loader_moves_to_next_shard_and_wraps_around(tmp_path):
     assert loader.next_batch(1000)[0][0].item() == 0
 
 
+def test_going_back_to_the_loaded_shard_reads_no_file(tmp_path, monkeypatch):
+    pattern = stream_shards(tmp_path, [2500, 1100])
+    loader = DistributedDataLoader(pattern, 0, 1, torch.device("cpu"))
+    reads = []
+    monkeypatch.setattr(train_gpt, "load_data_shard", lambda path, *a: reads.append(path) or torch.arange(9))
+    loader.next_batch(1000)
+    loader.reset()  # as each evaluation does: back to shard 0, already in memory
+    assert reads == [] and loader.next_batch(1000)[0][0].item() == 0
+    loader.reset(1)
+    loader.reset(0)
+    assert reads == [loader.files[1], loader.files[0]]
+
+
 def test_loader_takes_shards_in_sorted_name_order(tmp_path):
     write_data_shard(tmp_path / "x_train_000002.bin", np.full(3000, 2))
     write_data_shard(tmp_path / "x_train_000001.bin", np.full(3000, 1))
