@@ -1,0 +1,36 @@
+"""GPT-2's encoding built from a local ranks file, as the offline tools build it."""
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "data"))
+import gpt2_tokenizer  # noqa: E402
+
+RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
+needs_ranks = pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+
+
+@needs_ranks
+def test_ranks_file_gives_gpt2_ids():
+    # the ids GPT-2's published encoder gives these strings
+    enc = gpt2_tokenizer.gpt2_encoding(RANKS)
+    assert enc.n_vocab == 50257 and enc.eot_token == 50256
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert enc.encode_ordinary("The quick brown fox jumps over the lazy dog.") == [
+        464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13]
+    assert enc.encode_ordinary("<|endoftext|>") != [50256]  # text is never the special token
+
+
+def test_missing_or_foreign_ranks_file_is_one_clear_error(tmp_path):
+    with pytest.raises(gpt2_tokenizer.TokenizerError, match="cannot read it"):
+        gpt2_tokenizer.gpt2_encoding(tmp_path / "absent.tiktoken")
+    small = tmp_path / "small.tiktoken"
+    small.write_text("YQ== 0\nYg== 1\n")  # two ranks: some other, tiny BPE
+    with pytest.raises(gpt2_tokenizer.TokenizerError, match="not GPT-2's"):
+        gpt2_tokenizer.gpt2_encoding(small)
+    garbage = tmp_path / "garbage.tiktoken"
+    garbage.write_text("this is not a ranks file\n")
+    with pytest.raises(gpt2_tokenizer.TokenizerError, match="not a tiktoken ranks file"):
+        gpt2_tokenizer.gpt2_encoding(garbage)
