@@ -251,3 +251,22 @@ def test_compiled_mask_holds_no_sort_and_equals_the_token_level_blocks():
         mask = compiled(tokens, window_blocks)
         assert_lists_match(mask, pairs, window, f"compiled, window {window}")
     assert len(graphs) == 2  # the window changed in place: no recompilation
+
+
+def test_the_documented_example_of_the_block_lists():
+    # listed_rows' docstring: five blocks, a window of 3; document 2 starts inside block 3. Read the full
+    # and partial blocks of each row off the token-level mask, then compare with the lists and the text.
+    tokens = torch.full((5 * BLOCK_SIZE,), 7)
+    tokens[[0, 3 * BLOCK_SIZE + 50]] = EOT
+    reference = reference_mask(tokens, 3)
+    mask = build_block_mask(tokens, torch.tensor(3, dtype=torch.int32))
+    documented = {2: ([0, 1], [2]), 3: ([], [1, 2, 3]), 4: ([], [3, 4])}
+    for row, (full, partial) in documented.items():
+        blocks = reference[row * BLOCK_SIZE:(row + 1) * BLOCK_SIZE].view(BLOCK_SIZE, 5, BLOCK_SIZE)
+        seen = [k for k in range(5) if blocks[:, k].any()]
+        whole = [k for k in seen if blocks[:, k].all()]
+        assert (whole, sorted(set(seen) - set(whole))) == (full, partial)
+        full_count = int(mask.full_kv_num_blocks[0, 0, row])
+        partial_count = int(mask.kv_num_blocks[0, 0, row])
+        assert sorted(mask.full_kv_indices[0, 0, row, :full_count].tolist()) == full
+        assert sorted(mask.kv_indices[0, 0, row, :partial_count].tolist()) == partial
