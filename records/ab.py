@@ -6,7 +6,7 @@ A and B are each a trainer script, optionally followed by its own flags, quoted 
 (split as a shell would): two copies of the script, or one script with two flag sets. Flags after
 "--" go to both. For example, is a step faster with q, k and v as one product?
 
-    python records/ab.py train_gpt.py "train_gpt.py --fused_qkv true" --runs 3 \\
+    python records/ab.py train_gpt.py "train_gpt.py --regional_compile true" --runs 3 \\
         -- --num_iterations 200 --val_loss_every 0
 
 The runs alternate A1 B1 A2 B2 ... so that a machine that warms up or slows down over time
@@ -136,7 +136,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         usage="%(prog)s A B [--runs K] [--nproc N] [--out DIR] [-- FLAGS FOR BOTH...]",
         description="Time two trainer commands A and B, run alternately; print B/A of ms/step.\n"
         'Flags after "--" go to both.',
-        epilog='example:\n  %(prog)s train_gpt.py "train_gpt.py --fused_qkv true" '
+        epilog='example:\n  %(prog)s train_gpt.py "train_gpt.py --regional_compile true" '
         "-- --num_iterations 100",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the example on one line
     )

@@ -120,7 +120,7 @@ def test_ratio_line():
 
 
 def test_command_lines(tmp_path):
-    side, common = ["train_gpt.py", "--fused_qkv", "true"], ["--num_iterations", "60"]
+    side, common = ["train_gpt.py", "--regional_compile", "true"], ["--num_iterations", "60"]
     one = ab.command(side, common, 1, tmp_path / "A1")
     assert one == [sys.executable, *side, *common, "--log_dir", str(tmp_path / "A1")]
     eight = ab.command(side, common, 8, tmp_path / "B1")
@@ -200,7 +200,7 @@ def real_smoke_ab(out):
     # one thread: on a shared CPU, more threads than free cores make a run many times slower
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, str(SCRIPT), "train_gpt.py", "train_gpt.py --fused_qkv true",
+        [sys.executable, str(SCRIPT), "train_gpt.py", "train_gpt.py --regional_compile true",
          "--runs", "1", "--nproc", "1", "--out", str(out), "--", *small],
         capture_output=True, text=True, timeout=300, check=False, cwd=ROOT, env=env,
     )

@@ -45,8 +45,7 @@ BAD = {
     "resume": ["{folder}", "{file}", "missing.pt"],  # a folder without checkpoints, an empty file, no file
 }
 # booleans: no value both parses and fails; parse_bool refuses anything but true/false words (exit code 2)
-NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "regional_compile",
-                "fused_qkv"}
+NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "regional_compile"}
 
 # edge values that must pass, so that the checks are not too strict
 GOOD = {
@@ -102,7 +101,7 @@ def test_smoke_preset_uses_every_part_and_fits_1_2_4_or_8_processes():
     with torch.device("meta"):
         model = train_gpt.GPT.from_args(args)
     assert [block.attn is None for block in model.blocks].count(True) == 1  # the attention-free block
-    with_value_embeds = [i for i in range(len(model.blocks)) if model.value_embed_index(i) is not None]
+    with_value_embeds = [i for i in range(len(model.blocks)) if model.value_embed_pattern[i] is not None]
     assert 0 < len(with_value_embeds) < len(model.blocks) and len(model.skip_weights) >= 3  # U-net skips
     for world_size in (1, 2, 4, 8):
         micro, accum_steps, _ = train_gpt.micro_batch_plan(args, world_size)
