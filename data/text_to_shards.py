@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""Turn your own text into the token shards train_gpt.py reads: GPT-2's BPE through tiktoken, on every core.
+"""Turn your own text into the token shards train_gpt.py reads: GPT-2's BPE (tiktoken), on every core.
 
 Usage (works from any directory):
 
     python data/text_to_shards.py books/*.txt --out data/books --name books
-    python data/text_to_shards.py a.jsonl b.jsonl.gz c.parquet --out data/mine --name mine --val_tokens 1000000
+    python data/text_to_shards.py a.jsonl b.jsonl.gz c.parquet --out data/mine --name mine
     python data/text_to_shards.py --hub HuggingFaceFW/fineweb-edu --hub_config sample-10BT --name edu
     python train_gpt.py --train_files 'data/mine/mine_train_*.bin' --val_files 'data/mine/mine_val_*.bin'
 
 Inputs, read in the order given, each file's documents in file order:
-- a text file is one document, its exact text (no newline translation); `.txt.gz` and other `.gz` the same;
+- a text file is one document, its exact text (no newline translation); a gzipped one (`.txt.gz`) too;
 - `.jsonl`, `.ndjson`, `.json` (and `.gz` of each): JSON Lines, one document per line, in its "text" field
   (--text_field picks another); blank lines are skipped;
 - `.parquet`: one document per row, in its "text" column (needs pyarrow, imported only for Parquet);
@@ -29,18 +29,18 @@ hold a batch, a last train shard under half --shard_tokens is evened out with th
 boundary. text_to_shards.json records the inputs and options.
 
 How it works, and why:
-- Streaming: the main process reads documents lazily and hands them out in chunks of about 256 KB to --workers
-  processes (default: every core), which decode, parse and tokenize them; results are taken back in input order,
-  with at most 4 chunks per worker in flight, so memory stays bounded whatever the corpus size, and the bytes
-  written are the same for any worker count.
+- Streaming: the main process reads documents lazily and hands them out in chunks of about 256 KB to
+  --workers processes (default: every core), which decode, parse and tokenize them; results are taken back
+  in input order, at most 4 chunks per worker in flight, so memory stays bounded whatever the corpus size
+  (a document is held whole), and the bytes written are the same for any worker count.
 - A shard is written under a hidden temporary name and renamed into place (os.replace) only once whole, so a
   shard name only ever holds a complete shard; Ctrl-C keeps the shards already finished.
-- Rerunning the same command after an interruption keeps the finished shards (when no input has changed since:
-  size and modification time) and goes on from the first document after them, giving the same files as one run.
-  A run whose inputs changed makes the shards again. A folder holding other shards (another NAME, another
-  dataset's inputs or options, or shards this script did not write) is refused rather than mixed.
-- Bad input (an empty or unreadable file, text that is not UTF-8, invalid JSON or a line without the field, an
-  id that does not fit 16 bits) stops the run with one `error:` line naming the file and line.
+- Rerunning the same command after an interruption keeps the finished shards (when no input has changed
+  since: size and modification time) and goes on from the first document after them, giving the same files
+  as one run. A run whose inputs changed makes the shards again. A folder holding other shards (another NAME,
+  another dataset's inputs or options, or shards this script did not write) is refused rather than mixed.
+- Bad input (an empty or unreadable file, text that is not UTF-8, invalid JSON or a line without the field,
+  an id that does not fit 16 bits) stops the run with one `error:` line naming the file and line.
 - Exit status: 0 done; 1 an error, said in one line; 2 a bad command line; 130 interrupted.
 """
 
@@ -56,8 +56,10 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +73,7 @@ MAX_SHARD_TOKENS = 2 ** 31 - 1  # the header's token count is an int32
 # The trainer's default --val_tokens (10,485,760), plus the 2 tokens its loader reads beyond them
 DEFAULT_VAL_TOKENS = 10_485_762
 DEFAULT_SHARD_TOKENS = 100_000_000  # as FineWeb's shards
-CHUNK_BYTES = 1 << 18  # text per task: ~0.1 s of one core's tokenizing, so the hand-out costs ~0.1%
+CHUNK_BYTES = 1 << 18  # text per task: ~30 ms of one core's work, so handing it out costs under 1%
 IN_FLIGHT_PER_WORKER = 4
 MANIFEST = "text_to_shards.json"
 PYARROW = "pyarrow==26.0.1"  # the version the Parquet path was tested with; README says the same
@@ -91,10 +93,10 @@ class FolderError(Exception):
 @dataclasses.dataclass
 class Input:
     label: str  # what error lines call it: the path as given, or REPO:PATH on the hub
-    key: str  # what the manifest records: the absolute path, or REPO@COMMIT:PATH
+    key: str  # what the manifest records: the absolute path, or REPO:PATH
     stamp: list  # changes when the content does: [size, mtime_ns], or the hub's [size, sha256]
     path: Path | None = None  # the local file; for the hub, known once downloaded
-    fetch: object = None  # for the hub: a function returning the local path
+    fetch: Callable[[], Path] | None = None  # for the hub: downloads it, returns the local path
 
     @property
     def kind(self):
@@ -110,15 +112,15 @@ class Input:
 
 
 def local_inputs(paths, out):
-    """Input for each path (a folder: the files under it, sorted), checked to be a non-empty readable file."""
+    """Input for each path (a folder: the files under it, sorted), each checked: readable, not empty."""
     inputs = []
     for given in paths:
         path = Path(given)
         if path.is_dir():
-            files = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).parts)
             # hidden files and folders, and the output folder, are not the user's text
-            files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)
-                     and out.resolve() not in p.resolve().parents]
+            files = sorted(p.relative_to(path).parts for p in path.rglob("*") if p.is_file())
+            files = [path.joinpath(*parts) for parts in files if not any(p.startswith(".") for p in parts)]
+            files = [file for file in files if out.resolve() not in file.resolve().parents]
             if not files:
                 raise InputError(f"{given}: an empty folder: no files to read")
         else:
@@ -139,8 +141,8 @@ def local_inputs(paths, out):
 
 
 def read_documents(inputs, text_field, start=(0, 0), on_input=None):
-    """Yield (input index, line, kind, payload) for each document from `start` on, lazily: payload is the raw
-    bytes of a text file or of a JSON line, or a Parquet cell; line counts from 1 (rows, for Parquet)."""
+    """Yield (input index, line, kind, payload) for each document from `start` on, lazily: payload is the
+    raw bytes of a text file or of a JSON line, or a Parquet cell; line counts from 1 (rows, for Parquet)."""
     for index in range(start[0], len(inputs)):
         item = inputs[index]
         if on_input:
@@ -157,8 +159,8 @@ def read_documents(inputs, text_field, start=(0, 0), on_input=None):
             documents += 1
             yield index, line, item.kind, payload
         if documents == 0 and first_line == 0:
-            what = {"text": "empty file", "jsonl": "no JSON lines in it", "parquet": "no rows in it"}[item.kind]
-            raise InputError(f"{item.label}: {what}: no documents; leave it out")
+            empty = {"text": "empty file", "jsonl": "blank lines only", "parquet": "no rows"}
+            raise InputError(f"{item.label}: {empty[item.kind]}: no documents in it; leave it out")
 
 
 def file_lines(item, first_line):
@@ -167,10 +169,11 @@ def file_lines(item, first_line):
     try:
         with (gzip.open(item.path, "rb") if item.gzipped else open(item.path, "rb")) as f:
             if item.kind == "text":
-                yield 1, f.read()
+                if text := f.read():  # (an empty one is told by read_documents)
+                    yield 1, text
                 return
             for line, raw in enumerate(f, 1):
-                if line == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark: not part of the JSON
+                if line == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark, not JSON
                     raw = raw[3:]
                 if line >= first_line and raw.strip():
                     yield line, raw
@@ -201,7 +204,9 @@ def parquet_rows(item, text_field, first_row):
             raise InputError(f"{item.label}: no column {text_field!r} (it has {', '.join(names[:8])}); "
                              "name the text column with --text_field")
         column_type = table.schema_arrow.field(text_field).type
-        if not (pyarrow.types.is_string(column_type) or pyarrow.types.is_large_string(column_type)):
+        is_view = getattr(pyarrow.types, "is_string_view", lambda _: False)
+        if not (pyarrow.types.is_string(column_type) or pyarrow.types.is_large_string(column_type)
+                or is_view(column_type)):
             raise InputError(f"{item.label}: column {text_field!r} holds {column_type}, not text; "
                              "name the text column with --text_field")
         for batch in table.iter_batches(batch_size=1024, columns=[text_field]):
@@ -229,7 +234,8 @@ def hub_patterns(repo, readme, config, split):
     configs = (metadata_load(readme) or {}).get("configs") or []
     names = [c.get("config_name") for c in configs]
     if config is None:
-        chosen = [c for c in configs if c.get("default")] or [c for c in configs if c.get("config_name") == "default"]
+        chosen = [c for c in configs if c.get("default")]
+        chosen = chosen or [c for c in configs if c.get("config_name") == "default"]
     else:
         chosen = [c for c in configs if c.get("config_name") == config]
     if not chosen:
@@ -252,6 +258,9 @@ def hub_patterns(repo, readme, config, split):
     return data_files
 
 
+NETWORK_ERRORS = ("ConnectError", "ConnectTimeout", "ReadTimeout", "RemoteProtocolError")  # the HTTP client's
+
+
 def hub_error(exc, repo):
     """One line for a failure inside the hub client: the first cause in the chain that we know."""
     from huggingface_hub import constants
@@ -259,7 +268,9 @@ def hub_error(exc, repo):
 
     hub, e = constants.ENDPOINT, exc
     while e is not None:
-        status = e.response.status_code if isinstance(e, errors.HfHubHTTPError) and e.response is not None else 0
+        status = 0
+        if isinstance(e, errors.HfHubHTTPError) and e.response is not None:
+            status = e.response.status_code
         if status in (401, 403):
             return f"{hub} refused access to {repo} (HTTP {status}): set HF_TOKEN to a token that can read it"
         if isinstance(e, errors.RepositoryNotFoundError):
@@ -267,12 +278,12 @@ def hub_error(exc, repo):
         if isinstance(e, errors.EntryNotFoundError):
             return f"{repo}: a file is missing on {hub} ({e}); rerun to list the files again"
         if isinstance(e, errors.OfflineModeIsEnabled):
-            return f"HF_HUB_OFFLINE is set, so {repo} cannot be listed or downloaded; unset it, or pass local files"
+            return f"HF_HUB_OFFLINE is set, so {repo} cannot be listed or downloaded; unset it, or pass files"
         if status:
             return f"{hub} answered HTTP {status} about {repo}; rerun the same command to go on"
-        if isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in ("ConnectError", "ConnectTimeout",
-                                                                                  "ReadTimeout", "RemoteProtocolError"):
-            return f"cannot reach the hub at {hub} ({type(e).__name__}); check the network (HF_ENDPOINT picks a mirror)"
+        if isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in NETWORK_ERRORS:
+            return (f"cannot reach the hub at {hub} ({type(e).__name__}): check the network; "
+                    "HF_ENDPOINT picks a mirror")
         e = e.__cause__ or e.__context__
     return f"{repo}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
@@ -301,29 +312,40 @@ def hub_inputs(repo, config, split, patterns, revision):
         if not matched:
             raise InputError(f"{repo}: no file matches {pattern!r} (at commit {info.sha[:12]})")
         selected += [name for name in matched if name not in selected]
-    downloads = concurrent.futures.ThreadPoolExecutor(1)
-    futures = {}
+    downloads = {}  # index: (thread, result); daemon threads, so that Ctrl-C need not wait for a download
 
     def download(i):
-        if i < len(selected) and i not in futures:
-            futures[i] = downloads.submit(hf_hub_download, repo, selected[i], repo_type="dataset",
-                                          revision=info.sha)
+        if i < len(selected) and i not in downloads:
+            result = {}
+
+            def get():
+                if i - 1 in downloads:  # one at a time, in order: the file needed first arrives first
+                    downloads[i - 1][0].join()
+                try:
+                    result["path"] = hf_hub_download(repo, selected[i], repo_type="dataset",
+                                                     revision=info.sha)
+                except Exception as e:  # noqa: BLE001 - told in one line by fetch
+                    result["error"] = e
+
+            downloads[i] = threading.Thread(target=get, daemon=True), result
+            downloads[i][0].start()
 
     def fetcher(i):
         def fetch():
             download(i)
             download(i + 1)  # while this one is read
-            try:
-                return Path(futures[i].result())
-            except Exception as e:  # noqa: BLE001
-                raise InputError(f"{repo}:{selected[i]}: {hub_error(e, repo)}") from None
+            thread, result = downloads[i]
+            thread.join()
+            if "error" in result:
+                raise InputError(f"{repo}:{selected[i]}: {hub_error(result['error'], repo)}")
+            return Path(result["path"])
         return fetch
 
     inputs = []
     for i, name in enumerate(selected):
         lfs = getattr(files[name], "lfs", None)
         stamp = [files[name].size, lfs.sha256 if lfs else files[name].blob_id]
-        inputs.append(Input(f"{repo}:{name}", f"{repo}@{info.sha}:{name}", stamp, fetch=fetcher(i)))
+        inputs.append(Input(f"{repo}:{name}", f"{repo}:{name}", stamp, fetch=fetcher(i)))
     return inputs
 
 
@@ -342,7 +364,8 @@ def utf8_problem(raw, error):
     """Where `raw` stops being UTF-8: its line and column, and the byte."""
     line = raw.count(b"\n", 0, error.start) + 1
     column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
-    return line, f"not UTF-8 (byte 0x{raw[error.start]:02x} at column {column}); convert the file to UTF-8"
+    byte = raw[error.start]
+    return line, f"not UTF-8 (byte 0x{byte:02x} at column {column}); convert the file to UTF-8"
 
 
 def document_text(kind, payload, text_field):
@@ -373,8 +396,8 @@ def document_text(kind, payload, text_field):
 
 
 def encode_chunk(documents, text_field):
-    """Tokens of a list of (kind, payload) documents, each led by EOT, as ("ok", uint16 array, lengths), or
-    ("error", index in the list, line or None, message) for the first bad one."""
+    """Tokens of a list of (kind, payload) documents, each led by EOT, as ("ok", uint16 array, lengths),
+    or ("error", index in the list, line or None, message) for the first bad one."""
     tokens, lengths = [], []
     for i, (kind, payload) in enumerate(documents):
         text = document_text(kind, payload, text_field)
@@ -390,16 +413,17 @@ def encode_chunk(documents, text_field):
         ends = np.cumsum(lengths)
         at = next(i for i, token in enumerate(tokens) if token >= 2 ** 16)
         doc = int(np.searchsorted(ends, at, side="right"))
-        return "error", doc, None, f"token id {tokens[at]} does not fit the shards' 16 bits: not GPT-2's encoding"
+        message = f"token id {tokens[at]} does not fit the shards' 16 bits: not GPT-2's encoding (see --tokenizer)"
+        return "error", doc, None, message
 
 
-def chunked(documents, chunk_bytes=CHUNK_BYTES):
-    """Lists of documents of about chunk_bytes of text each."""
+def chunked(documents):
+    """Lists of documents of about CHUNK_BYTES of text each."""
     chunk, size = [], 0
     for document in documents:
         chunk.append(document)
         size += len(document[3]) if document[3] is not None else 0
-        if size >= chunk_bytes:
+        if size >= CHUNK_BYTES:
             yield chunk
             chunk, size = [], 0
     if chunk:
@@ -414,13 +438,14 @@ def encoded(chunks, encoding, workers, text_field):
         for chunk in chunks:
             yield chunk, encode_chunk([(kind, payload) for _, _, kind, payload in chunk], text_field)
         return
-    pool = concurrent.futures.ProcessPoolExecutor(workers, initializer=use_encoding, initargs=(encoding, True))
+    pool = concurrent.futures.ProcessPoolExecutor(workers, initializer=use_encoding,
+                                                  initargs=(encoding, True))
     pending, read_error = collections.deque(), None
     try:
         try:
             for chunk in chunks:
-                job = pool.submit(encode_chunk, [(kind, payload) for _, _, kind, payload in chunk], text_field)
-                pending.append((chunk, job))
+                documents = [(kind, payload) for _, _, kind, payload in chunk]
+                pending.append((chunk, pool.submit(encode_chunk, documents, text_field)))
                 if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
                     chunk, job = pending.popleft()
                     yield chunk, job.result()
@@ -443,7 +468,7 @@ def shard_name(name, index):
 
 
 class Shard:
-    """One shard being written: tokens appended to a hidden temporary file, renamed into place when whole."""
+    """A shard being written: tokens appended to a hidden temporary file, renamed into place when whole."""
 
     def __init__(self, folder, name, index):
         self.index, self.name = index, shard_name(name, index)
@@ -462,8 +487,8 @@ class Shard:
 
     def close(self):
         if self.tokens > MAX_SHARD_TOKENS:
-            raise InputError(f"{self.name} would hold {self.tokens:,} tokens, more than a shard's header can "
-                             f"count ({MAX_SHARD_TOKENS:,}): lower --val_tokens")
+            raise InputError(f"{self.name} would hold {self.tokens:,} tokens, more than a shard's header "
+                             f"can count ({MAX_SHARD_TOKENS:,}): lower --val_tokens")
         header = np.zeros(HEADER_INTS, dtype="<i4")
         header[:3] = MAGIC, VERSION, self.tokens
         self.file.seek(0)
@@ -472,8 +497,10 @@ class Shard:
         os.fsync(self.file.fileno())  # on disk before the rename makes it visible
         self.file.close()
 
-    def read(self):
-        return np.fromfile(self.temp, dtype="<u2", offset=HEADER_BYTES)
+    def read_into(self, tokens):
+        with open(self.temp, "rb") as f:
+            f.seek(HEADER_BYTES)
+            f.readinto(tokens)
 
     def rewrite(self, tokens, lengths, starts, end):
         """Hold these documents instead (used once, to even out the last two shards)."""
@@ -490,7 +517,7 @@ class Shard:
 
 def even_split(lengths, limit):
     """How many of these documents go to the first of two shards so that the smaller holds the most, each
-    holding at most `limit` tokens (the split they are in now is one such)."""
+    holding at most `limit` tokens (the split they came in is one such)."""
     total, best, best_small = sum(lengths), None, -1
     first = 0
     for count in range(1, len(lengths)):
@@ -500,34 +527,38 @@ def even_split(lengths, limit):
     return best
 
 
-
-
 class ShardWriter:
     """Documents in, shards out: the val shard until it holds val_tokens, then train shards of at most
-    shard_tokens. A finished train shard is held back (whole, under its temporary name) until the one after it
-    holds half a shard, so that a short last shard can still be evened out with it."""
+    shard_tokens. A finished train shard is held back (whole, under its temporary name) until the one after
+    it holds half a shard, so that a short last shard can still be evened out with it."""
 
     def __init__(self, folder, name, val_tokens, shard_tokens, place, publish, first_index=0):
         self.folder, self.name = folder, name
         self.val_tokens, self.shard_tokens = val_tokens, shard_tokens
-        self.place, self.publish = place, publish  # place(where): "FILE: line N"; publish(shard): it is done
+        self.place = place  # place(where): "FILE: line N", for errors
+        self.publish = publish  # publish(shard): called once it is renamed into place
         self.next_index = first_index
         self.current = self.held = None
+        self.unrenamed = set()  # shards with a temporary file, for discard
 
     def add(self, tokens, where):
         """One document's tokens (EOT first), found at `where` (input index, line)."""
         current = self.current
         if current is None:
+            for_val = self.next_index == 0
+        else:
+            for_val = current.index == 0 and current.tokens < self.val_tokens
+        if not for_val and len(tokens) > self.shard_tokens:
+            raise InputError(f"{self.place(where)}: a document of {len(tokens):,} tokens, more than "
+                             f"--shard_tokens {self.shard_tokens:,}: documents are never split; raise it")
+        if current is None:
             self.open()
-        elif current.index == 0 and current.tokens >= self.val_tokens:
+        elif current.index == 0 and not for_val:
             self.finish_current(where)
             self.open()
         elif current.index > 0 and current.tokens + len(tokens) > self.shard_tokens:
             self.finish_current(where)
             self.open()
-        if self.current.index > 0 and len(tokens) > self.shard_tokens:
-            raise InputError(f"{self.place(where)}: a document of {len(tokens):,} tokens, more than --shard_tokens "
-                             f"{self.shard_tokens:,}: documents are never split; raise --shard_tokens")
         self.current.append(tokens, where)
         if self.held and self.current.tokens >= self.shard_tokens / 2:  # now the last shard cannot be short
             self.rename(self.held)
@@ -535,6 +566,7 @@ class ShardWriter:
 
     def open(self):
         self.current = Shard(self.folder, self.name, self.next_index)
+        self.unrenamed.add(self.current)
         self.next_index += 1
 
     def finish_current(self, end):
@@ -550,7 +582,7 @@ class ShardWriter:
             self.held = shard
 
     def finish(self, end):
-        """At the end of the inputs: even out a short last train shard with the one before, rename both."""
+        """At the end of the inputs: even out a short last train shard with the one before; rename them."""
         last, self.current = self.current, None
         if last is None and self.next_index > 1:  # resumed after the last shard: nothing was left
             return
@@ -564,7 +596,9 @@ class ShardWriter:
         if held is not None:  # so the last shard holds under half a shard
             lengths, starts = held.lengths + last.lengths, held.starts + last.starts
             split = even_split(lengths, self.shard_tokens)
-            tokens = np.concatenate([held.read(), last.read()])
+            tokens = np.empty(held.tokens + last.tokens, dtype="<u2")  # under 1.5 shards, once at the end
+            held.read_into(tokens[:held.tokens])
+            last.read_into(tokens[held.tokens:])
             cut = sum(lengths[:split])
             held.rewrite(tokens[:cut], lengths[:split], starts[:split], starts[split])
             last.rewrite(tokens[cut:], lengths[split:], starts[split:], end)
@@ -573,12 +607,13 @@ class ShardWriter:
 
     def rename(self, shard):
         os.replace(shard.temp, self.folder / shard.name)
+        self.unrenamed.discard(shard)
         self.publish(shard)
 
     def discard(self):
-        for shard in (self.current, self.held):
-            if shard is not None:
-                shard.discard()
+        """Delete the temporary files (after an error or an interruption)."""
+        for shard in self.unrenamed:
+            shard.discard()
 
 
 # The output folder -------------------------------------------------------------------------------
@@ -586,7 +621,8 @@ def encoding_fingerprint(encoding):
     """What the manifest records of the encoding: its name and a hash of every token's bytes and id."""
     digest = hashlib.sha256()
     for token in sorted(encoding.token_byte_values()):
-        digest.update(len(token).to_bytes(4, "little") + token + encoding.encode_single_token(token).to_bytes(4, "little"))
+        token_id = encoding.encode_single_token(token)
+        digest.update(len(token).to_bytes(4, "little") + token + token_id.to_bytes(4, "little"))
     for special in sorted(encoding.special_tokens_set):
         digest.update(special.encode() + encoding.encode_single_token(special).to_bytes(4, "little"))
     return f"{encoding.name} {digest.hexdigest()[:16]}"
@@ -612,7 +648,7 @@ def shard_tokens_on_disk(path):
 
 
 def plan(out, identity, stamps):
-    """What the folder holds for this dataset: (the manifest's shards that can be kept, in order, whether the
+    """What the folder holds for this dataset: (the recorded shards that can be kept, in order, whether the
     whole dataset is there). Refuses a folder holding other shards."""
     present = sorted(p.name for p in out.glob("*.bin"))
     ours = our_shards(out, identity["name"], *present)
@@ -627,8 +663,8 @@ def plan(out, identity, stamps):
         recorded = {key: manifest[key] for key in identity}
     except FileNotFoundError:
         if present:
-            raise FolderError(f"{out} holds {present[0]}, which this script did not write (no {MANIFEST} there): "
-                              f"{remedy}, or move the shards away") from None
+            raise FolderError(f"{out} holds {present[0]}, which this script did not write (no {MANIFEST} "
+                              f"there): {remedy}, or move the shards away") from None
         return [], False
     except (OSError, ValueError, KeyError, TypeError):
         if not present:  # no shard to keep: the record of a run that stopped before its first shard
@@ -639,8 +675,8 @@ def plan(out, identity, stamps):
         if "options" in differs:
             differs = [f"--{option} {recorded['options'].get(option)!r}" for option in identity["options"]
                        if recorded["options"].get(option) != identity["options"][option]]
-        raise FolderError(f"{out} holds shards made with another {', '.join(differs)} (see {MANIFEST}): {remedy}, "
-                          "or delete that folder to make it again")
+        raise FolderError(f"{out} holds shards made with another {', '.join(differs)} (see {MANIFEST}): "
+                          f"{remedy}, or delete that folder to make it again")
     if recorded != identity or manifest.get("stamps") != stamps:  # no shard yet, or an input changed since
         for file in present:
             (out / file).unlink()
@@ -684,8 +720,8 @@ def progress_bar(inputs):
 def convert(inputs, out, name, encoding, workers=1, val_tokens=DEFAULT_VAL_TOKENS,
             shard_tokens=DEFAULT_SHARD_TOKENS, text_field="text"):
     """Write the shards of `inputs` into `out`, going on from where an interrupted run stopped; return the
-    manifest, and whether the shards were all there already. Raises InputError or FolderError for what the
-    user can fix."""
+    manifest, and the tokens made in this run (None: all were there already). Raises InputError or
+    FolderError for what the user can fix."""
     identity = {"name": name, "inputs": [item.key for item in inputs],
                 "options": {"val_tokens": val_tokens, "shard_tokens": shard_tokens, "text_field": text_field,
                             "tokenizer": encoding_fingerprint(encoding)}}
@@ -698,21 +734,22 @@ def convert(inputs, out, name, encoding, workers=1, val_tokens=DEFAULT_VAL_TOKEN
         kept, complete = plan(out, identity, stamps)
         manifest = {**identity, "stamps": stamps, "shards": kept, "complete": complete}
         if complete:
-            return manifest, True
+            return manifest, None
         write_json(out / MANIFEST, manifest)
-        run(inputs, out, manifest, encoding, workers)
+        made = run(inputs, out, manifest, encoding, workers)
         written = {shard["file"] for shard in manifest["shards"]}
         for stale in set(our_shards(out, name)) - written:  # left by an earlier run with more shards
             (out / stale).unlink()
         manifest["complete"] = True
         write_json(out / MANIFEST, manifest)
-        return manifest, False
+        return manifest, made
     finally:
         os.close(descriptor)
 
 
 def run(inputs, out, manifest, encoding, workers):
-    """Tokenize the inputs from the first document after the kept shards, writing shards as they fill."""
+    """Tokenize the inputs from the first document after the kept shards, writing shards as they fill;
+    return the count of tokens written."""
     options, shards = manifest["options"], manifest["shards"]
 
     def place(where):
@@ -725,8 +762,8 @@ def run(inputs, out, manifest, encoding, workers):
         write_json(out / MANIFEST, manifest)
 
     start = tuple(shards[-1]["end"]) if shards else (0, 0)
-    writer = ShardWriter(out, manifest["name"], options["val_tokens"], options["shard_tokens"], place, publish,
-                         first_index=len(shards))
+    writer = ShardWriter(out, manifest["name"], options["val_tokens"], options["shard_tokens"], place,
+                         publish, first_index=len(shards))
     bar = progress_bar(inputs)
     began, tokens_done = time.perf_counter(), 0
 
@@ -755,21 +792,24 @@ def run(inputs, out, manifest, encoding, workers):
         raise
     finally:
         bar.close()
+    return tokens_done
 
 
-def summary(out, manifest, seconds, workers):
-    shards = manifest["shards"]
-    val, train = shards[0], shards[1:]
+def summary(out, manifest, made, seconds, workers):
+    """What was made, and the command that trains on it."""
+    val, train = manifest["shards"][0], manifest["shards"][1:]
     tokens, documents = sum(s["tokens"] for s in train), sum(s["documents"] for s in train)
-    lines = [f"{out}: {val['file']} ({val['tokens']:,} tokens, {val['documents']:,} documents) and {len(train)} "
-             f"train shard{'s' if len(train) > 1 else ''} ({tokens:,} tokens, {documents:,} documents)",
-             "train on them: python train_gpt.py "
-             f"--train_files '{out}/{manifest['name']}_train_*.bin' --val_files '{out}/{manifest['name']}_val_*.bin'"]
-    if seconds is not None:
-        lines[0] += f", made in {seconds:.1f} s on {workers} worker{'s' if workers > 1 else ''}"
+    plural = "s" if len(train) > 1 else ""
+    what = (f"{out}: {val['file']} ({val['tokens']:,} tokens, {val['documents']:,} documents) and "
+            f"{len(train)} train shard{plural} ({tokens:,} tokens, {documents:,} documents)")
+    if made is None:
+        what += ", already made from these inputs"
     else:
-        lines[0] += ", already made from these inputs"
-    return "\n".join(lines)
+        what += (f"; {made:,} tokens made in {seconds:.1f} s on {workers} worker(s), "
+                 f"{made / seconds:,.0f} tokens/s")
+    name = manifest["name"]
+    return (f"{what}\ntrain on them: python train_gpt.py --train_files '{out}/{name}_train_*.bin' "
+            f"--val_files '{out}/{name}_val_*.bin'")
 
 
 def default_workers():
@@ -782,11 +822,13 @@ def default_workers():
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="text_to_shards.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Tokenize text files, JSON Lines, Parquet or a hub dataset into train_gpt.py's shards.",
+        description="Tokenize text files, JSON Lines, Parquet or a hub dataset into train_gpt.py's "
+                    "shards.",
         epilog="Example: python data/text_to_shards.py corpus.jsonl.gz --out data/mine --name mine")
     parser.add_argument("inputs", nargs="*", metavar="INPUT",
-                        help="text files (one document each), JSON Lines (.jsonl, .jsonl.gz), Parquet, or folders")
-    parser.add_argument("--name", required=True, help="the shards' name: NAME_val_000000.bin, NAME_train_000001.bin")
+                        help="text files (a document each), JSON Lines (.jsonl, .jsonl.gz), Parquet, folders")
+    parser.add_argument("--name", required=True,
+                        help="the shards' name: NAME_val_000000.bin, NAME_train_000001.bin, ...")
     parser.add_argument("--out", type=Path, help="output folder (default: data/NAME/ beside this script)")
     parser.add_argument("--val_tokens", type=int, default=DEFAULT_VAL_TOKENS,
                         help="the val shard takes whole documents until it holds this many tokens "
@@ -818,7 +860,8 @@ def parse_args(argv):
         parser.error(f"--name must be letters, digits, '.', '_' or '-' (it names files); got {args.name!r}")
     for option in ("val_tokens", "shard_tokens"):
         if not 1 <= getattr(args, option) <= MAX_SHARD_TOKENS:
-            parser.error(f"--{option} must be between 1 and {MAX_SHARD_TOKENS:,}; got {getattr(args, option)}")
+            value = getattr(args, option)
+            parser.error(f"--{option} must be between 1 and {MAX_SHARD_TOKENS:,}; got {value}")
     if args.workers < 1:
         parser.error(f"--workers must be at least 1; got {args.workers}")
     if args.out is None:
@@ -831,7 +874,8 @@ class Interrupted(BaseException):
 
 
 def main(argv=None, encoding=None):
-    """The command line; returns the exit status. `encoding`: a tiktoken Encoding instead of GPT-2's (tests)."""
+    """The command line; returns the exit status. `encoding`: a tiktoken Encoding in place of GPT-2's
+    (tests use a tiny one)."""
     args = parse_args(argv)
 
     def stop(signum, frame):
@@ -840,15 +884,16 @@ def main(argv=None, encoding=None):
     handlers = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
     began = time.perf_counter()
     try:
-        encoding = encoding or gpt2_encoding(args.tokenizer)
         if args.hub:
-            inputs = hub_inputs(args.hub, args.hub_config, args.hub_split, args.hub_files, args.hub_revision)
+            inputs = hub_inputs(args.hub, args.hub_config, args.hub_split, args.hub_files,
+                                args.hub_revision)
         else:
             inputs = local_inputs(args.inputs, args.out)
         if any(item.kind == "parquet" for item in inputs):
             import_pyarrow()
-        manifest, already = convert(inputs, args.out, args.name, encoding, args.workers, args.val_tokens,
-                                    args.shard_tokens, args.text_field)
+        encoding = encoding or gpt2_encoding(args.tokenizer)
+        manifest, made = convert(inputs, args.out, args.name, encoding, args.workers, args.val_tokens,
+                                 args.shard_tokens, args.text_field)
     except (InputError, FolderError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -857,14 +902,13 @@ def main(argv=None, encoding=None):
               "free some space and rerun the same command to go on", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Interrupted):
-        print(f"\ninterrupted: the finished shards in {args.out} are kept; rerun the same command to go on",
-              file=sys.stderr)
+        print(f"\ninterrupted: the finished shards in {args.out} are kept; rerun the same command to go "
+              "on", file=sys.stderr)
         return 130
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-    seconds = None if already else time.perf_counter() - began
-    print(summary(args.out, manifest, seconds, args.workers))
+    print(summary(args.out, manifest, made, time.perf_counter() - began, args.workers))
     return 0
 
 
