@@ -33,10 +33,10 @@ EOT = 50256
 
 # Documents that trip up a careless reader: non-ASCII text, the special token's text, \r\n kept as it is,
 # U+2028 (a line break to str.splitlines, not to JSON Lines), leading and trailing whitespace
-TRICKY = ["Hello world", "Caf\u00e9 na\u00efve \u2014 \u65e5\u672c\u8a9e, \U0001F600, combining e\u0301.",
-          "Text like the special token <|endoftext|> is never the special token.",
-          "Windows\r\nline ends,\ttabs and trailing spaces   \n\n", " a leading space",
-          "a line\u2028separator"]
+TRICKY = ["Windows\r\nline ends,\ttabs and trailing spaces   \n\n",
+          "Caf\u00e9 na\u00efve \u2014 \u65e5\u672c\u8a9e, \U0001F600, combining e\u0301.",
+          "Text like the special token <|endoftext|> is never the special token.", "Hello world",
+          " a leading space", "a line\u2028separator"]
 WORDS = ["the", "speedrun", "na\u00efve", "\u65e5\u672c", "token", "shard", "\U0001F680", "d\u00e9j\u00e0",
          "42"]
 
@@ -158,11 +158,11 @@ def test_a_folder_is_read_in_path_order_without_hidden_files(tmp_path):
 def test_val_shard_takes_whole_documents_then_train_shards_fill_up_to_the_limit(tmp_path):
     documents = corpus(120, seed=1)
     paths = write_inputs(tmp_path / "in", documents, ["jsonl", "jsonl.gz"])
-    val_tokens, shard_tokens = 500, 700
+    lengths = [1 + len(doc.encode()) for doc in documents]
+    val_tokens, shard_tokens = sum(lengths[:7]), 700  # "at least": 7 documents reach it exactly
     assert make(paths, tmp_path / "out", "--val_tokens", str(val_tokens), "--shard_tokens", str(shard_tokens),
                 encoding=byte_encoding()) == 0
     # the plan, as a plain loop over the documents' token counts
-    lengths = [1 + len(doc.encode()) for doc in documents]
     val = 0
     while sum(lengths[:val]) < val_tokens:
         val += 1
@@ -178,7 +178,7 @@ def test_val_shard_takes_whole_documents_then_train_shards_fill_up_to_the_limit(
     train = [f"corpus_train_{i:06d}.bin" for i in range(1, len(expected))]
     assert list(made) == ["corpus_val_000000.bin"] + train
     assert [len(tokens) for tokens in made.values()] == expected
-    assert len(split_documents(made["corpus_val_000000.bin"])) == val
+    assert len(split_documents(made["corpus_val_000000.bin"])) == val == 7
 
 
 def test_a_short_last_train_shard_is_evened_out_with_the_one_before(tmp_path):
