@@ -221,10 +221,17 @@ def parquet_rows(item, text_field, first_row):
 
 # Hub ---------------------------------------------------------------------------------------------
 def glob_regex(pattern):
-    """A path pattern as the hub's dataset configs write them: `*` within one folder, `**` across folders."""
-    parts = re.split(r"(\*\*/?|\*|\?)", pattern)
+    """A path pattern as the hub's dataset configs write them: `*` within one folder, `**` across folders,
+    `?` one character, `[0-2]` or `[!a]` one of a set."""
+    parts = re.split(r"(\*\*/?|\*|\?|\[!?[^]]+\])", pattern)
     wild = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
-    return re.compile("".join(wild.get(part, re.escape(part)) for part in parts))
+    regex = ""
+    for part in parts:
+        if part.startswith("[") and part.endswith("]") and len(part) > 2:
+            regex += "[^" + part[2:] if part.startswith("[!") else part
+        else:
+            regex += wild.get(part, re.escape(part))
+    return re.compile(regex)
 
 
 def hub_patterns(repo, readme, config, split):
@@ -239,7 +246,8 @@ def hub_patterns(repo, readme, config, split):
     else:
         chosen = [c for c in configs if c.get("config_name") == config]
     if not chosen:
-        known = f"its configs: {', '.join(map(str, names))}" if names else "its card names no configs"
+        listed = ", ".join(map(str, names[:12])) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+        known = f"its configs: {listed}" if names else "its card names no configs"
         asked = f"no config {config!r}" if config else "no default config"
         raise InputError(f"{repo}: {asked} ({known}); pass --hub_config NAME, or --hub_files PATTERN")
     data_files = chosen[0].get("data_files")
