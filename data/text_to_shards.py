@@ -416,13 +416,12 @@ def encode_chunk(documents, text_field):
         tokens.extend(ids)
         lengths.append(len(ids) + 1)
     try:
-        return "ok", np.array(tokens, dtype=np.uint16), lengths
+        return "ok", np.array(tokens, dtype="<u2"), lengths
     except OverflowError:  # a token id of 2 ** 16 or more: find its document
         ends = np.cumsum(lengths)
         at = next(i for i, token in enumerate(tokens) if token >= 2 ** 16)
         doc = int(np.searchsorted(ends, at, side="right"))
-        message = f"token id {tokens[at]} does not fit the shards' 16 bits: not GPT-2's encoding (see --tokenizer)"
-        return "error", doc, None, message
+        return "error", doc, None, f"token id {tokens[at]} does not fit the shards' 16 bits: not GPT-2's"
 
 
 def chunked(documents):
@@ -679,13 +678,15 @@ def plan(out, identity, stamps):
             return [], False
         raise FolderError(f"{out / MANIFEST} is not the record this script writes: {remedy}") from None
     if recorded != identity and present:
-        differs = [key for key in identity if recorded[key] != identity[key]]
-        if "options" in differs:
-            differs = [f"--{option} {recorded['options'].get(option)!r}" for option in identity["options"]
-                       if recorded["options"].get(option) != identity["options"][option]]
-        raise FolderError(f"{out} holds shards made with another {', '.join(differs)} (see {MANIFEST}): "
-                          f"{remedy}, or delete that folder to make it again")
+        differs = [f"the name {recorded['name']!r}"] if recorded["name"] != identity["name"] else []
+        differs += ["other inputs"] if recorded["inputs"] != identity["inputs"] else []
+        differs += [f"--{option} {recorded['options'].get(option)}" for option in identity["options"]
+                    if recorded["options"].get(option) != identity["options"][option]]
+        raise FolderError(f"{out} holds shards made with {', '.join(differs)} (see {MANIFEST}): {remedy}, "
+                          "or delete that folder to make it again")
     if recorded != identity or manifest.get("stamps") != stamps:  # no shard yet, or an input changed since
+        if present:
+            print(f"an input changed since the shards in {out} were made: making them again", file=sys.stderr)
         for file in present:
             (out / file).unlink()
         return [], False

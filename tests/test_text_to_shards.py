@@ -423,7 +423,8 @@ def test_a_config_or_split_the_card_lacks_is_one_line(tmp_path):
     assert not pattern.fullmatch("data/a/b/000.parquet")
     assert text_to_shards.glob_regex("data/**/*.parquet").fullmatch("data/a/b/000.parquet")
     some = text_to_shards.glob_regex("sample/10BT/00[0-2]_?.parquet")
-    assert [some.fullmatch(f"sample/10BT/00{i}_0.parquet") is not None for i in range(4)] == [True] * 3 + [False]
+    matched = [some.fullmatch(f"sample/10BT/00{i}_0.parquet") is not None for i in range(4)]
+    assert matched == [True, True, True, False]
     assert not text_to_shards.glob_regex("[!d]*").fullmatch("data")
 
 
