@@ -45,6 +45,7 @@ How it works, and why:
 """
 
 import argparse
+import array
 import collections
 import concurrent.futures
 import dataclasses
@@ -483,14 +484,16 @@ class Shard:
         self.file = open(self.temp, "wb")
         self.file.write(bytes(HEADER_BYTES))  # the header is written once the count is known
         self.tokens = 0
-        self.lengths, self.starts = [], []  # each document's token count and position (input, line)
+        # each document's token count and position (input index, line), compactly: a shard may hold millions
+        self.lengths, self.inputs, self.lines = array.array("q"), array.array("q"), array.array("q")
         self.end = None  # the position of the document after the last one here
 
     def append(self, tokens, where):
         self.file.write(tokens)
         self.tokens += len(tokens)
         self.lengths.append(len(tokens))
-        self.starts.append(where)
+        self.inputs.append(where[0])
+        self.lines.append(where[1])
 
     def close(self):
         if self.tokens > MAX_SHARD_TOKENS:
@@ -509,12 +512,13 @@ class Shard:
             f.seek(HEADER_BYTES)
             f.readinto(tokens)
 
-    def rewrite(self, tokens, lengths, starts, end):
+    def rewrite(self, tokens, lengths, inputs, lines, end):
         """Hold these documents instead (used once, to even out the last two shards)."""
         self.file = open(self.temp, "wb")
         self.file.write(bytes(HEADER_BYTES))
         self.file.write(tokens)
-        self.tokens, self.lengths, self.starts, self.end = len(tokens), lengths, starts, end
+        self.tokens, self.end = len(tokens), end
+        self.lengths, self.inputs, self.lines = lengths, inputs, lines
         self.close()
 
     def discard(self):
@@ -525,13 +529,10 @@ class Shard:
 def even_split(lengths, limit):
     """How many of these documents go to the first of two shards so that the smaller holds the most, each
     holding at most `limit` tokens (the split they came in is one such)."""
-    total, best, best_small = sum(lengths), None, -1
-    first = 0
-    for count in range(1, len(lengths)):
-        first += lengths[count - 1]
-        if first <= limit and total - first <= limit and min(first, total - first) > best_small:
-            best, best_small = count, min(first, total - first)
-    return best
+    first = np.cumsum(lengths)[:-1]  # the first shard's tokens when split after 1, 2, ... documents
+    second = first[-1] + lengths[-1] - first
+    smaller = np.where((first <= limit) & (second <= limit), np.minimum(first, second), -1)
+    return int(np.argmax(smaller)) + 1
 
 
 class ShardWriter:
@@ -601,14 +602,16 @@ class ShardWriter:
         last.close()
         held, self.held = self.held, None
         if held is not None:  # so the last shard holds under half a shard
-            lengths, starts = held.lengths + last.lengths, held.starts + last.starts
+            lengths, inputs, lines = (held.lengths + last.lengths, held.inputs + last.inputs,
+                                      held.lines + last.lines)
             split = even_split(lengths, self.shard_tokens)
             tokens = np.empty(held.tokens + last.tokens, dtype="<u2")  # under 1.5 shards, once at the end
             held.read_into(tokens[:held.tokens])
             last.read_into(tokens[held.tokens:])
             cut = sum(lengths[:split])
-            held.rewrite(tokens[:cut], lengths[:split], starts[:split], starts[split])
-            last.rewrite(tokens[cut:], lengths[split:], starts[split:], end)
+            held_end = inputs[split], lines[split]
+            held.rewrite(tokens[:cut], lengths[:split], inputs[:split], lines[:split], held_end)
+            last.rewrite(tokens[cut:], lengths[split:], inputs[split:], lines[split:], end)
             self.rename(held)
         self.rename(last)
 
