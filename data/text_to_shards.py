@@ -1,0 +1,928 @@
+#!/usr/bin/env python3
+"""Turn your own text into the token shards train_gpt.py reads: GPT-2's BPE (tiktoken), on every core.
+
+Usage (works from any directory):
+
+    python data/text_to_shards.py books/*.txt --out data/books --name books
+    python data/text_to_shards.py a.jsonl b.jsonl.gz c.parquet --out data/mine --name mine
+    python data/text_to_shards.py --hub HuggingFaceFW/fineweb-edu --hub_config sample-10BT --name edu
+    python train_gpt.py --train_files 'data/mine/mine_train_*.bin' --val_files 'data/mine/mine_val_*.bin'
+
+Inputs, read in the order given, each file's documents in file order:
+- a text file is one document, its exact text (no newline translation); a gzipped one (`.txt.gz`) too;
+- `.jsonl`, `.ndjson`, `.json` (and `.gz` of each): JSON Lines, one document per line, in its "text" field
+  (--text_field picks another); blank lines are skipped;
+- `.parquet`: one document per row, in its "text" column (needs pyarrow, imported only for Parquet);
+- a folder: the files under it, sorted by path, hidden ones left out;
+- or, instead of files, a dataset on the Hugging Face hub: --hub REPO with --hub_config NAME (a config of its
+  dataset card, e.g. FineWeb-Edu's sample-10BT) or --hub_files PATTERN... (paths in the repository, `*` within
+  one folder, `**` across folders). Files come through huggingface_hub into its cache (HF_HOME, HF_TOKEN and
+  HF_ENDPOINT apply as usual), the next one downloading while this one is tokenized.
+
+Output, in --out (default: data/NAME/ beside this script), the format train_gpt.py reads: a header of 256
+little-endian int32 (20240520, 1, token count), then the tokens as uint16. Every document is led by
+<|endoftext|> (50256) and encoded with encode_ordinary, so text that looks like <|endoftext|> is never the
+special token. Documents are never split: NAME_val_000000.bin takes whole documents until it holds at least
+--val_tokens, then NAME_train_000001.bin, ... hold at most --shard_tokens each. A document longer than
+--shard_tokens is an error (splitting it would cut a document in two). So that no train shard is too small to
+hold a batch, a last train shard under half --shard_tokens is evened out with the one before it, at a document
+boundary. text_to_shards.json records the inputs and options.
+
+How it works, and why:
+- Streaming: the main process reads documents lazily and hands them out in chunks of about 256 KB to
+  --workers processes (default: every core), which decode, parse and tokenize them; results are taken back
+  in input order, at most 4 chunks per worker in flight, so memory stays bounded whatever the corpus size
+  (a document is held whole), and the bytes written are the same for any worker count.
+- A shard is written under a hidden temporary name and renamed into place (os.replace) only once whole, so a
+  shard name only ever holds a complete shard; Ctrl-C keeps the shards already finished.
+- Rerunning the same command after an interruption keeps the finished shards (when no input has changed
+  since: size and modification time) and goes on from the first document after them, giving the same files
+  as one run. A run whose inputs changed makes the shards again. A folder holding other shards (another NAME,
+  another dataset's inputs or options, or shards this script did not write) is refused rather than mixed.
+- Bad input (an empty or unreadable file, text that is not UTF-8, invalid JSON or a line without the field,
+  an id that does not fit 16 bits) stops the run with one `error:` line naming the file and line.
+- Exit status: 0 done; 1 an error, said in one line; 2 a bad command line; 130 interrupted.
+"""
+
+import argparse
+import array
+import collections
+import concurrent.futures
+import dataclasses
+import fcntl
+import gzip
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from gpt2_tokenizer import EOT, TokenizerError, gpt2_encoding
+
+HERE = Path(__file__).resolve().parent
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+HEADER_BYTES = 4 * HEADER_INTS
+MAX_SHARD_TOKENS = 2 ** 31 - 1  # the header's token count is an int32
+# The trainer's default --val_tokens (10,485,760), plus the 2 tokens its loader reads beyond them
+DEFAULT_VAL_TOKENS = 10_485_762
+DEFAULT_SHARD_TOKENS = 100_000_000  # as FineWeb's shards
+CHUNK_BYTES = 1 << 18  # text per task: ~30 ms of one core's work, so handing it out costs under 1%
+IN_FLIGHT_PER_WORKER = 4
+MANIFEST = "text_to_shards.json"
+PYARROW = "pyarrow==26.0.1"  # the version the Parquet path was tested with; README says the same
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class InputError(Exception):
+    """Bad input: the message names the file and, where one applies, the line."""
+
+
+class FolderError(Exception):
+    """The output folder cannot be used as asked: the message says what to do."""
+
+
+# Inputs ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Input:
+    label: str  # what error lines call it: the path as given, or REPO:PATH on the hub
+    key: str  # what the manifest records: the absolute path, or REPO:PATH
+    stamp: list  # changes when the content does: [size, mtime_ns], or the hub's [size, sha256]
+    path: Path | None = None  # the local file; for the hub, known once downloaded
+    fetch: Callable[[], Path] | None = None  # for the hub: downloads it, returns the local path
+
+    @property
+    def kind(self):
+        """'parquet', 'jsonl' or 'text', from the name."""
+        name = self.label.lower().removesuffix(".gz")
+        if name.endswith(".parquet"):
+            return "parquet"
+        return "jsonl" if name.endswith(JSON_SUFFIXES) else "text"
+
+    @property
+    def gzipped(self):
+        return self.label.lower().endswith(".gz")
+
+
+def local_inputs(paths, out):
+    """Input for each path (a folder: the files under it, sorted), each checked: readable, not empty."""
+    inputs = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            # hidden files and folders, and the output folder, are not the user's text
+            files = sorted(p.relative_to(path).parts for p in path.rglob("*") if p.is_file())
+            files = [path.joinpath(*parts) for parts in files if not any(p.startswith(".") for p in parts)]
+            files = [file for file in files if out.resolve() not in file.resolve().parents]
+            if not files:
+                raise InputError(f"{given}: an empty folder: no files to read")
+        else:
+            files = [path]
+        for file in files:
+            try:
+                with open(file, "rb") as f:
+                    info = os.fstat(f.fileno())
+                    f.read(1)
+            except FileNotFoundError:
+                raise InputError(f"{file}: no such file") from None
+            except OSError as e:
+                raise InputError(f"{file}: cannot read it ({e.strerror})") from None
+            if info.st_size == 0:
+                raise InputError(f"{file}: empty file: no documents in it; leave it out")
+            inputs.append(Input(str(file), str(file.resolve()), [info.st_size, info.st_mtime_ns], file))
+    return inputs
+
+
+def read_documents(inputs, text_field, start=(0, 0), on_input=None):
+    """Yield (input index, line, kind, payload) for each document from `start` on, lazily: payload is the
+    raw bytes of a text file or of a JSON line, or a Parquet cell; line counts from 1 (rows, for Parquet)."""
+    for index in range(start[0], len(inputs)):
+        item = inputs[index]
+        if on_input:
+            on_input(index)
+        if item.path is None:
+            item.path = item.fetch()
+        first_line = start[1] if index == start[0] else 0
+        documents = 0
+        if item.kind == "parquet":
+            reader = parquet_rows(item, text_field, first_line)
+        else:
+            reader = file_lines(item, first_line)
+        for line, payload in reader:
+            documents += 1
+            yield index, line, item.kind, payload
+        if documents == 0 and first_line == 0:
+            empty = {"text": "empty file", "jsonl": "blank lines only", "parquet": "no rows"}
+            raise InputError(f"{item.label}: {empty[item.kind]}: no documents in it; leave it out")
+
+
+def file_lines(item, first_line):
+    """(line, bytes) of a text file (one document, line 1) or of each non-blank JSON line."""
+    line = 0
+    try:
+        with (gzip.open(item.path, "rb") if item.gzipped else open(item.path, "rb")) as f:
+            if item.kind == "text":
+                if text := f.read():  # (an empty one is told by read_documents)
+                    yield 1, text
+                return
+            for line, raw in enumerate(f, 1):
+                if line == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark, not JSON
+                    raw = raw[3:]
+                if line >= first_line and raw.strip():
+                    yield line, raw
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        where = f"line {line + 1}: " if item.kind == "jsonl" and line else ""
+        raise InputError(f"{item.label}: {where}not a whole gzip file ({e}); fetch it again") from None
+    except OSError as e:
+        raise InputError(f"{item.label}: cannot read it ({e.strerror or e})") from None
+
+
+def import_pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise InputError(f"reading Parquet needs pyarrow: `pip install {PYARROW}`") from None
+    return pyarrow, pyarrow.parquet
+
+
+def parquet_rows(item, text_field, first_row):
+    """(row, str or None) of the text column, a batch of rows at a time."""
+    pyarrow, parquet = import_pyarrow()
+    row = 0
+    try:
+        table = parquet.ParquetFile(item.path)
+        names = table.schema_arrow.names
+        if text_field not in names:
+            raise InputError(f"{item.label}: no column {text_field!r} (it has {', '.join(names[:8])}); "
+                             "name the text column with --text_field")
+        column_type = table.schema_arrow.field(text_field).type
+        is_view = getattr(pyarrow.types, "is_string_view", lambda _: False)
+        if not (pyarrow.types.is_string(column_type) or pyarrow.types.is_large_string(column_type)
+                or is_view(column_type)):
+            raise InputError(f"{item.label}: column {text_field!r} holds {column_type}, not text; "
+                             "name the text column with --text_field")
+        for batch in table.iter_batches(batch_size=1024, columns=[text_field]):
+            values = batch.column(0).to_pylist()
+            for value in values:
+                row += 1
+                if row >= first_row:
+                    yield row, value
+    except (pyarrow.ArrowException, OSError) as e:
+        raise InputError(f"{item.label}: not a readable Parquet file ({e}); fetch it again") from None
+
+
+# Hub ---------------------------------------------------------------------------------------------
+def glob_regex(pattern):
+    """A path pattern as the hub's dataset configs write them: `*` within one folder, `**` across folders,
+    `?` one character, `[0-2]` or `[!a]` one of a set."""
+    parts = re.split(r"(\*\*/?|\*|\?|\[!?[^]]+\])", pattern)
+    wild = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+    regex = ""
+    for part in parts:
+        if part.startswith("[") and part.endswith("]") and len(part) > 2:
+            regex += "[^" + part[2:] if part.startswith("[!") else part
+        else:
+            regex += wild.get(part, re.escape(part))
+    return re.compile(regex)
+
+
+def hub_patterns(repo, readme, config, split):
+    """The data-file patterns of `config` (its split) in the dataset card at `readme`."""
+    from huggingface_hub.repocard import metadata_load
+
+    configs = (metadata_load(readme) or {}).get("configs") or []
+    names = [c.get("config_name") for c in configs]
+    if config is None:
+        chosen = [c for c in configs if c.get("default")]
+        chosen = chosen or [c for c in configs if c.get("config_name") == "default"]
+    else:
+        chosen = [c for c in configs if c.get("config_name") == config]
+    if not chosen:
+        listed = ", ".join(map(str, names[:12])) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+        known = f"its configs: {listed}" if names else "its card names no configs"
+        asked = f"no config {config!r}" if config else "no default config"
+        raise InputError(f"{repo}: {asked} ({known}); pass --hub_config NAME, or --hub_files PATTERN")
+    data_files = chosen[0].get("data_files")
+    if isinstance(data_files, str):
+        data_files = [data_files]
+    if data_files and isinstance(data_files[0], dict):
+        by_split = {d.get("split"): d.get("path") for d in data_files}
+        if split not in by_split:
+            raise InputError(f"{repo}: config {chosen[0].get('config_name')!r} has no split {split!r} "
+                             f"(it has {', '.join(map(str, by_split))}); pass --hub_split")
+        data_files = by_split[split]
+        data_files = [data_files] if isinstance(data_files, str) else data_files
+    if not data_files:
+        raise InputError(f"{repo}: config {chosen[0].get('config_name')!r} names no data files; "
+                         "pass --hub_files PATTERN")
+    return data_files
+
+
+NETWORK_ERRORS = ("ConnectError", "ConnectTimeout", "ReadTimeout", "RemoteProtocolError")  # the HTTP client's
+
+
+def hub_error(exc, repo):
+    """One line for a failure inside the hub client: the first cause in the chain that we know."""
+    from huggingface_hub import constants
+    from huggingface_hub import errors
+
+    hub, e = constants.ENDPOINT, exc
+    while e is not None:
+        status = 0
+        if isinstance(e, errors.HfHubHTTPError) and e.response is not None:
+            status = e.response.status_code
+        if status in (401, 403):
+            return f"{hub} refused access to {repo} (HTTP {status}): set HF_TOKEN to a token that can read it"
+        if isinstance(e, errors.RepositoryNotFoundError):
+            return f"the dataset {repo} was not found on {hub} (if it is private, set HF_TOKEN)"
+        if isinstance(e, errors.EntryNotFoundError):
+            return f"{repo}: a file is missing on {hub} ({e}); rerun to list the files again"
+        if isinstance(e, errors.OfflineModeIsEnabled):
+            return f"HF_HUB_OFFLINE is set, so {repo} cannot be listed or downloaded; unset it, or pass files"
+        if status:
+            return f"{hub} answered HTTP {status} about {repo}; rerun the same command to go on"
+        if isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in NETWORK_ERRORS:
+            return (f"cannot reach the hub at {hub} ({type(e).__name__}): check the network; "
+                    "HF_ENDPOINT picks a mirror")
+        e = e.__cause__ or e.__context__
+    return f"{repo}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+def hub_inputs(repo, config, split, patterns, revision):
+    """Input for each of the dataset's files that `patterns` (or `config`'s) select, in pattern, then path
+    order; each downloads when first read, the next one in the background meanwhile."""
+    from huggingface_hub import HfApi
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()  # the tokenizing bar says what is downloading
+    try:
+        info = HfApi().dataset_info(repo, revision=revision, files_metadata=True)
+        files = {s.rfilename: s for s in info.siblings}
+        if not patterns:
+            readme = hf_hub_download(repo, "README.md", repo_type="dataset", revision=info.sha)
+            patterns = hub_patterns(repo, readme, config, split)
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the client's many errors, told in one line
+        raise InputError(hub_error(e, repo)) from None
+    selected = []
+    for pattern in patterns:
+        matched = sorted(name for name in files if glob_regex(pattern).fullmatch(name))
+        if not matched:
+            raise InputError(f"{repo}: no file matches {pattern!r} (at commit {info.sha[:12]})")
+        selected += [name for name in matched if name not in selected]
+    downloads = {}  # index: (thread, result); daemon threads, so that Ctrl-C need not wait for a download
+
+    def download(i):
+        if i < len(selected) and i not in downloads:
+            result = {}
+
+            def get():
+                if i - 1 in downloads:  # one at a time, in order: the file needed first arrives first
+                    downloads[i - 1][0].join()
+                try:
+                    result["path"] = hf_hub_download(repo, selected[i], repo_type="dataset",
+                                                     revision=info.sha)
+                except Exception as e:  # noqa: BLE001 - told in one line by fetch
+                    result["error"] = e
+
+            downloads[i] = threading.Thread(target=get, daemon=True), result
+            downloads[i][0].start()
+
+    def fetcher(i):
+        def fetch():
+            download(i)
+            download(i + 1)  # while this one is read
+            thread, result = downloads[i]
+            thread.join()
+            if "error" in result:
+                raise InputError(f"{repo}:{selected[i]}: {hub_error(result['error'], repo)}")
+            return Path(result["path"])
+        return fetch
+
+    inputs = []
+    for i, name in enumerate(selected):
+        lfs = getattr(files[name], "lfs", None)
+        stamp = [files[name].size, lfs.sha256 if lfs else files[name].blob_id]
+        inputs.append(Input(f"{repo}:{name}", f"{repo}:{name}", stamp, fetch=fetcher(i)))
+    return inputs
+
+
+# Tokenizing (in the worker processes) ------------------------------------------------------------
+ENCODING = None  # each worker's, set by use_encoding
+
+
+def use_encoding(encoding, ignore_interrupts=False):
+    global ENCODING
+    ENCODING = encoding
+    if ignore_interrupts:  # Ctrl-C reaches the whole process group: the main process alone handles it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def utf8_problem(raw, error):
+    """Where `raw` stops being UTF-8: its line and column, and the byte."""
+    line = raw.count(b"\n", 0, error.start) + 1
+    column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
+    byte = raw[error.start]
+    return line, f"not UTF-8 (byte 0x{byte:02x} at column {column}); convert the file to UTF-8"
+
+
+def document_text(kind, payload, text_field):
+    """The text of one document, or (line within the file or None, message) for a bad one."""
+    if kind == "parquet":
+        if not isinstance(payload, str):
+            return None, f"the {text_field!r} column is empty (null), not text"
+        return payload
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, message = utf8_problem(payload, e)
+        return (line if kind == "text" else None), message
+    if kind == "text":
+        return text
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object with a {text_field!r} field"
+    if text_field not in record:
+        fields = ", ".join(map(repr, list(record)[:8])) or "none"
+        return None, f"no {text_field!r} field (fields: {fields}); name the text field with --text_field"
+    if not isinstance(record[text_field], str):
+        return None, f"the {text_field!r} field is {json.dumps(record[text_field])[:40]}, not a string"
+    return record[text_field]
+
+
+def encode_chunk(documents, text_field):
+    """Tokens of a list of (kind, payload) documents, each led by EOT, as ("ok", uint16 array, lengths),
+    or ("error", index in the list, line or None, message) for the first bad one."""
+    tokens, lengths = [], []
+    for i, (kind, payload) in enumerate(documents):
+        text = document_text(kind, payload, text_field)
+        if isinstance(text, tuple):
+            return ("error", i, *text)
+        ids = ENCODING.encode_ordinary(text)
+        tokens.append(EOT)
+        tokens.extend(ids)
+        lengths.append(len(ids) + 1)
+    try:
+        return "ok", np.array(tokens, dtype="<u2"), lengths
+    except OverflowError:  # a token id of 2 ** 16 or more: find its document
+        ends = np.cumsum(lengths)
+        at = next(i for i, token in enumerate(tokens) if token >= 2 ** 16)
+        doc = int(np.searchsorted(ends, at, side="right"))
+        return "error", doc, None, f"token id {tokens[at]} does not fit the shards' 16 bits: not GPT-2's"
+
+
+def chunked(documents):
+    """Lists of documents of about CHUNK_BYTES of text each."""
+    chunk, size = [], 0
+    for document in documents:
+        chunk.append(document)
+        size += len(document[3]) if document[3] is not None else 0
+        if size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def encoded(chunks, encoding, workers, text_field):
+    """(chunk, result of encode_chunk) in input order: in this process for one worker, else on a pool
+    with a bounded number of chunks in flight. A read error comes after the chunks before it."""
+    if workers == 1:
+        use_encoding(encoding)
+        for chunk in chunks:
+            yield chunk, encode_chunk([(kind, payload) for _, _, kind, payload in chunk], text_field)
+        return
+    pool = concurrent.futures.ProcessPoolExecutor(workers, initializer=use_encoding,
+                                                  initargs=(encoding, True))
+    pending, read_error = collections.deque(), None
+    try:
+        try:
+            for chunk in chunks:
+                documents = [(kind, payload) for _, _, kind, payload in chunk]
+                pending.append((chunk, pool.submit(encode_chunk, documents, text_field)))
+                if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+                    chunk, job = pending.popleft()
+                    yield chunk, job.result()
+        except InputError as e:
+            read_error = e
+        while pending:
+            chunk, job = pending.popleft()
+            yield chunk, job.result()
+        if read_error:
+            raise read_error
+    except concurrent.futures.process.BrokenProcessPool:
+        raise InputError("a tokenizing worker died (out of memory?); use fewer --workers") from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# Shards ------------------------------------------------------------------------------------------
+def shard_name(name, index):
+    return f"{name}_val_{index:06d}.bin" if index == 0 else f"{name}_train_{index:06d}.bin"
+
+
+class Shard:
+    """A shard being written: tokens appended to a hidden temporary file, renamed into place when whole."""
+
+    def __init__(self, folder, name, index):
+        self.index, self.name = index, shard_name(name, index)
+        self.temp = folder / f".{self.name}.tmp"
+        self.file = open(self.temp, "wb")
+        self.file.write(bytes(HEADER_BYTES))  # the header is written once the count is known
+        self.tokens = 0
+        # each document's token count and position (input index, line), compactly: a shard may hold millions
+        self.lengths, self.inputs, self.lines = array.array("q"), array.array("q"), array.array("q")
+        self.end = None  # the position of the document after the last one here
+
+    def append(self, tokens, where):
+        self.file.write(tokens)
+        self.tokens += len(tokens)
+        self.lengths.append(len(tokens))
+        self.inputs.append(where[0])
+        self.lines.append(where[1])
+
+    def close(self):
+        if self.tokens > MAX_SHARD_TOKENS:
+            raise InputError(f"{self.name} would hold {self.tokens:,} tokens, more than a shard's header "
+                             f"can count ({MAX_SHARD_TOKENS:,}): lower --val_tokens")
+        header = np.zeros(HEADER_INTS, dtype="<i4")
+        header[:3] = MAGIC, VERSION, self.tokens
+        self.file.seek(0)
+        self.file.write(header.tobytes())
+        self.file.flush()
+        os.fsync(self.file.fileno())  # on disk before the rename makes it visible
+        self.file.close()
+
+    def read_into(self, tokens):
+        with open(self.temp, "rb") as f:
+            f.seek(HEADER_BYTES)
+            f.readinto(tokens)
+
+    def rewrite(self, tokens, lengths, inputs, lines, end):
+        """Hold these documents instead (used once, to even out the last two shards)."""
+        self.file = open(self.temp, "wb")
+        self.file.write(bytes(HEADER_BYTES))
+        self.file.write(tokens)
+        self.tokens, self.end = len(tokens), end
+        self.lengths, self.inputs, self.lines = lengths, inputs, lines
+        self.close()
+
+    def discard(self):
+        self.file.close()
+        self.temp.unlink(missing_ok=True)
+
+
+def even_split(lengths, limit):
+    """How many of these documents go to the first of two shards so that the smaller holds the most, each
+    holding at most `limit` tokens (the split they came in is one such)."""
+    first = np.cumsum(lengths)[:-1]  # the first shard's tokens when split after 1, 2, ... documents
+    second = first[-1] + lengths[-1] - first
+    smaller = np.where((first <= limit) & (second <= limit), np.minimum(first, second), -1)
+    return int(np.argmax(smaller)) + 1
+
+
+class ShardWriter:
+    """Documents in, shards out: the val shard until it holds val_tokens, then train shards of at most
+    shard_tokens. A finished train shard is held back (whole, under its temporary name) until the one after
+    it holds half a shard, so that a short last shard can still be evened out with it."""
+
+    def __init__(self, folder, name, val_tokens, shard_tokens, place, publish, first_index=0):
+        self.folder, self.name = folder, name
+        self.val_tokens, self.shard_tokens = val_tokens, shard_tokens
+        self.place = place  # place(where): "FILE: line N", for errors
+        self.publish = publish  # publish(shard): called once it is renamed into place
+        self.next_index = first_index
+        self.current = self.held = None
+        self.unrenamed = set()  # shards with a temporary file, for discard
+
+    def add(self, tokens, where):
+        """One document's tokens (EOT first), found at `where` (input index, line)."""
+        current = self.current
+        if current is None:
+            for_val = self.next_index == 0
+        else:
+            for_val = current.index == 0 and current.tokens < self.val_tokens
+        if not for_val and len(tokens) > self.shard_tokens:
+            raise InputError(f"{self.place(where)}: a document of {len(tokens):,} tokens, more than "
+                             f"--shard_tokens {self.shard_tokens:,}: documents are never split; raise it")
+        if current is None:
+            self.open()
+        elif current.index == 0 and not for_val:
+            self.finish_current(where)
+            self.open()
+        elif current.index > 0 and current.tokens + len(tokens) > self.shard_tokens:
+            self.finish_current(where)
+            self.open()
+        self.current.append(tokens, where)
+        if self.held and self.current.tokens >= self.shard_tokens / 2:  # now the last shard cannot be short
+            self.rename(self.held)
+            self.held = None
+
+    def open(self):
+        self.current = Shard(self.folder, self.name, self.next_index)
+        self.unrenamed.add(self.current)
+        self.next_index += 1
+
+    def finish_current(self, end):
+        shard, self.current = self.current, None
+        shard.end = end
+        shard.close()
+        if self.held:
+            self.rename(self.held)
+            self.held = None
+        if shard.index == 0:
+            self.rename(shard)
+        else:
+            self.held = shard
+
+    def finish(self, end):
+        """At the end of the inputs: even out a short last train shard with the one before; rename them."""
+        last, self.current = self.current, None
+        if last is None and self.next_index > 1:  # resumed after the last shard: nothing was left
+            return
+        if last is None or last.index == 0:
+            total = 0 if last is None else last.tokens
+            raise InputError(f"the inputs hold {total:,} tokens, all for the val shard (--val_tokens "
+                             f"{self.val_tokens:,}), none left to train on: lower --val_tokens, or add text")
+        last.end = end
+        last.close()
+        held, self.held = self.held, None
+        if held is not None:  # so the last shard holds under half a shard
+            lengths, inputs, lines = (held.lengths + last.lengths, held.inputs + last.inputs,
+                                      held.lines + last.lines)
+            split = even_split(lengths, self.shard_tokens)
+            tokens = np.empty(held.tokens + last.tokens, dtype="<u2")  # under 1.5 shards, once at the end
+            held.read_into(tokens[:held.tokens])
+            last.read_into(tokens[held.tokens:])
+            cut = sum(lengths[:split])
+            held_end = inputs[split], lines[split]
+            held.rewrite(tokens[:cut], lengths[:split], inputs[:split], lines[:split], held_end)
+            last.rewrite(tokens[cut:], lengths[split:], inputs[split:], lines[split:], end)
+            self.rename(held)
+        self.rename(last)
+
+    def rename(self, shard):
+        os.replace(shard.temp, self.folder / shard.name)
+        self.unrenamed.discard(shard)
+        self.publish(shard)
+
+    def discard(self):
+        """Delete the temporary files (after an error or an interruption)."""
+        for shard in self.unrenamed:
+            shard.discard()
+
+
+# The output folder -------------------------------------------------------------------------------
+def encoding_fingerprint(encoding):
+    """What the manifest records of the encoding: its name and a hash of every token's bytes and id."""
+    digest = hashlib.sha256()
+    for token in sorted(encoding.token_byte_values()):
+        token_id = encoding.encode_single_token(token)
+        digest.update(len(token).to_bytes(4, "little") + token + token_id.to_bytes(4, "little"))
+    for special in sorted(encoding.special_tokens_set):
+        digest.update(special.encode() + encoding.encode_single_token(special).to_bytes(4, "little"))
+    return f"{encoding.name} {digest.hexdigest()[:16]}"
+
+
+def write_json(path, record):
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(temp, path)
+
+
+def shard_tokens_on_disk(path):
+    """The token count of a whole, valid shard at `path`, else None."""
+    try:
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    if len(header) < HEADER_INTS or header[0] != MAGIC or header[1] != VERSION:
+        return None
+    return int(header[2]) if size == HEADER_BYTES + 2 * int(header[2]) else None
+
+
+def plan(out, identity, stamps):
+    """What the folder holds for this dataset: (the recorded shards that can be kept, in order, whether the
+    whole dataset is there). Refuses a folder holding other shards."""
+    present = sorted(p.name for p in out.glob("*.bin"))
+    ours = our_shards(out, identity["name"], *present)
+    foreign = [file for file in present if file not in ours]
+    present = ours
+    remedy = "pass another --out (a folder holds one dataset's shards)"
+    if foreign:
+        raise FolderError(f"{out} holds shards of another dataset ({foreign[0]}"
+                          f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}): {remedy}")
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+        recorded = {key: manifest[key] for key in identity}
+    except FileNotFoundError:
+        if present:
+            raise FolderError(f"{out} holds {present[0]}, which this script did not write (no {MANIFEST} "
+                              f"there): {remedy}, or move the shards away") from None
+        return [], False
+    except (OSError, ValueError, KeyError, TypeError):
+        if not present:  # no shard to keep: the record of a run that stopped before its first shard
+            return [], False
+        raise FolderError(f"{out / MANIFEST} is not the record this script writes: {remedy}") from None
+    if recorded != identity and present:
+        differs = [f"the name {recorded['name']!r}"] if recorded["name"] != identity["name"] else []
+        differs += ["other inputs"] if recorded["inputs"] != identity["inputs"] else []
+        differs += [f"--{option} {recorded['options'].get(option)}" for option in identity["options"]
+                    if recorded["options"].get(option) != identity["options"][option]]
+        raise FolderError(f"{out} holds shards made with {', '.join(differs)} (see {MANIFEST}): {remedy}, "
+                          "or delete that folder to make it again")
+    if recorded != identity or manifest.get("stamps") != stamps:  # no shard yet, or an input changed since
+        if present:
+            print(f"an input changed since the shards in {out} were made: making them again", file=sys.stderr)
+        for file in present:
+            (out / file).unlink()
+        return [], False
+    kept = []
+    for shard in manifest.get("shards", []):
+        if shard_tokens_on_disk(out / shard["file"]) != shard["tokens"]:
+            break
+        kept.append(shard)
+    complete = manifest.get("complete") and len(kept) == len(manifest["shards"])
+    return kept, complete
+
+
+def our_shards(out, name, *files):
+    """Of `files` (default: the folder's), the names of this dataset's shards, sorted."""
+    ours = re.compile(rf"{re.escape(name)}_(val_000000|train_\d{{6}})\.bin")
+    files = files or [path.name for path in out.glob("*.bin")]
+    return sorted(file for file in files if ours.fullmatch(file))
+
+
+def lock(out):
+    """Two runs must not write one folder. The descriptor stays open: the lock ends with the process."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(out, os.O_RDONLY)
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise FolderError(f"another run is writing to {out}; wait for it to finish") from None
+    except OSError as e:
+        raise FolderError(f"cannot use the output folder {out} ({e.strerror}): pick another --out") from None
+    return descriptor
+
+
+# The run -----------------------------------------------------------------------------------------
+def progress_bar(inputs):
+    from tqdm import tqdm
+
+    return tqdm(desc=f"input 1/{len(inputs)}", unit=" docs", file=sys.stderr, smoothing=0.1)
+
+
+def convert(inputs, out, name, encoding, workers=1, val_tokens=DEFAULT_VAL_TOKENS,
+            shard_tokens=DEFAULT_SHARD_TOKENS, text_field="text"):
+    """Write the shards of `inputs` into `out`, going on from where an interrupted run stopped; return the
+    manifest, and the tokens made in this run (None: all were there already). Raises InputError or
+    FolderError for what the user can fix."""
+    identity = {"name": name, "inputs": [item.key for item in inputs],
+                "options": {"val_tokens": val_tokens, "shard_tokens": shard_tokens, "text_field": text_field,
+                            "tokenizer": encoding_fingerprint(encoding)}}
+    stamps = [item.stamp for item in inputs]
+    descriptor = lock(out)
+    try:
+        for debris in out.glob(".*.bin.tmp"):  # of a killed run (the lock says none is running)
+            if debris.name[1:-4] in our_shards(out, name, debris.name[1:-4]):
+                debris.unlink()
+        kept, complete = plan(out, identity, stamps)
+        manifest = {**identity, "stamps": stamps, "shards": kept, "complete": complete}
+        if complete:
+            return manifest, None
+        write_json(out / MANIFEST, manifest)
+        made = run(inputs, out, manifest, encoding, workers)
+        written = {shard["file"] for shard in manifest["shards"]}
+        for stale in set(our_shards(out, name)) - written:  # left by an earlier run with more shards
+            (out / stale).unlink()
+        manifest["complete"] = True
+        write_json(out / MANIFEST, manifest)
+        return manifest, made
+    finally:
+        os.close(descriptor)
+
+
+def run(inputs, out, manifest, encoding, workers):
+    """Tokenize the inputs from the first document after the kept shards, writing shards as they fill;
+    return the count of tokens written."""
+    options, shards = manifest["options"], manifest["shards"]
+
+    def place(where):
+        item = inputs[where[0]]
+        return f"{item.label}: {'row' if item.kind == 'parquet' else 'line'} {where[1]}"
+
+    def publish(shard):
+        shards.append({"file": shard.name, "tokens": shard.tokens, "documents": len(shard.lengths),
+                       "end": list(shard.end)})
+        write_json(out / MANIFEST, manifest)
+
+    start = tuple(shards[-1]["end"]) if shards else (0, 0)
+    writer = ShardWriter(out, manifest["name"], options["val_tokens"], options["shard_tokens"], place,
+                         publish, first_index=len(shards))
+    bar = progress_bar(inputs)
+    began, tokens_done = time.perf_counter(), 0
+
+    def on_input(index):
+        bar.set_description_str(f"input {index + 1}/{len(inputs)}", refresh=False)
+
+    try:
+        documents = read_documents(inputs, options["text_field"], start, on_input)
+        for chunk, result in encoded(chunked(documents), encoding, workers, options["text_field"]):
+            if result[0] == "error":
+                _, i, line, message = result
+                index, document_line = chunk[i][:2]
+                raise InputError(f"{place((index, line or document_line))}: {message}")
+            _, tokens, lengths = result
+            offset = 0
+            for (index, line, _, _), length in zip(chunk, lengths):
+                writer.add(tokens[offset:offset + length], (index, line))
+                offset += length
+            tokens_done += offset
+            rate = tokens_done / max(time.perf_counter() - began, 1e-9)
+            bar.set_postfix_str(f"{tokens_done:,} tokens, {rate:,.0f} tokens/s", refresh=False)
+            bar.update(len(chunk))
+        writer.finish((len(inputs), 0))
+    except BaseException:
+        writer.discard()
+        raise
+    finally:
+        bar.close()
+    return tokens_done
+
+
+def summary(out, manifest, made, seconds, workers):
+    """What was made, and the command that trains on it."""
+    val, train = manifest["shards"][0], manifest["shards"][1:]
+    tokens, documents = sum(s["tokens"] for s in train), sum(s["documents"] for s in train)
+    plural = "s" if len(train) > 1 else ""
+    what = (f"{out}: {val['file']} ({val['tokens']:,} tokens, {val['documents']:,} documents) and "
+            f"{len(train)} train shard{plural} ({tokens:,} tokens, {documents:,} documents)")
+    if made is None:
+        what += ", already made from these inputs"
+    else:
+        what += (f"; {made:,} tokens made in {seconds:.1f} s on {workers} worker(s), "
+                 f"{made / seconds:,.0f} tokens/s")
+    name = manifest["name"]
+    return (f"{what}\ntrain on them: python train_gpt.py --train_files '{out}/{name}_train_*.bin' "
+            f"--val_files '{out}/{name}_val_*.bin'")
+
+
+def default_workers():
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may use
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="text_to_shards.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Tokenize text files, JSON Lines, Parquet or a hub dataset into train_gpt.py's "
+                    "shards.",
+        epilog="Example: python data/text_to_shards.py corpus.jsonl.gz --out data/mine --name mine")
+    parser.add_argument("inputs", nargs="*", metavar="INPUT",
+                        help="text files (a document each), JSON Lines (.jsonl, .jsonl.gz), Parquet, folders")
+    parser.add_argument("--name", required=True,
+                        help="the shards' name: NAME_val_000000.bin, NAME_train_000001.bin, ...")
+    parser.add_argument("--out", type=Path, help="output folder (default: data/NAME/ beside this script)")
+    parser.add_argument("--val_tokens", type=int, default=DEFAULT_VAL_TOKENS,
+                        help="the val shard takes whole documents until it holds this many tokens "
+                             "(default: %(default)s, enough for the trainer's default --val_tokens)")
+    parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                        help="at most this many tokens per train shard (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="tokenizing processes (default: every core, %(default)s here)")
+    parser.add_argument("--tokenizer", metavar="FILE",
+                        help="a tiktoken ranks file of GPT-2's BPE (gpt2.tiktoken), for use offline")
+    parser.add_argument("--text_field", default="text",
+                        help="the JSON field or Parquet column holding the text (default: %(default)s)")
+    hub = parser.add_argument_group("a dataset on the Hugging Face hub, instead of INPUT files")
+    hub.add_argument("--hub", metavar="REPO", help="dataset repository, e.g. HuggingFaceFW/fineweb-edu")
+    hub.add_argument("--hub_config", metavar="NAME", help="a config of its dataset card, e.g. sample-10BT "
+                                                          "(default: the card's default config)")
+    hub.add_argument("--hub_split", default="train", help="the config's split (default: %(default)s)")
+    hub.add_argument("--hub_files", nargs="+", metavar="PATTERN",
+                     help="files by path instead of a config, e.g. 'sample/10BT/00[0-2]_*.parquet'")
+    hub.add_argument("--hub_revision", metavar="REV", help="a branch, tag or commit (default: main)")
+    args = parser.parse_args(argv)
+    if bool(args.inputs) == bool(args.hub):
+        parser.error("give INPUT files or --hub REPO (one of the two)")
+    if not args.hub and (args.hub_config or args.hub_files or args.hub_revision):
+        parser.error("--hub_config, --hub_files and --hub_revision go with --hub REPO")
+    if args.hub_config and args.hub_files:
+        parser.error("--hub_config and --hub_files each pick the files: give one of them")
+    if not NAME_PATTERN.fullmatch(args.name):
+        parser.error(f"--name must be letters, digits, '.', '_' or '-' (it names files); got {args.name!r}")
+    for option in ("val_tokens", "shard_tokens"):
+        if not 1 <= getattr(args, option) <= MAX_SHARD_TOKENS:
+            value = getattr(args, option)
+            parser.error(f"--{option} must be between 1 and {MAX_SHARD_TOKENS:,}; got {value}")
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1; got {args.workers}")
+    if args.out is None:
+        args.out = HERE / args.name
+    return args
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP, stopping the run as Ctrl-C does."""
+
+
+def main(argv=None, encoding=None):
+    """The command line; returns the exit status. `encoding`: a tiktoken Encoding in place of GPT-2's
+    (tests use a tiny one)."""
+    args = parse_args(argv)
+
+    def stop(signum, frame):
+        raise Interrupted(signum)
+
+    handlers = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    began = time.perf_counter()
+    try:
+        if args.hub:
+            inputs = hub_inputs(args.hub, args.hub_config, args.hub_split, args.hub_files,
+                                args.hub_revision)
+        else:
+            inputs = local_inputs(args.inputs, args.out)
+        if any(item.kind == "parquet" for item in inputs):
+            import_pyarrow()
+        encoding = encoding or gpt2_encoding(args.tokenizer)
+        manifest, made = convert(inputs, args.out, args.name, encoding, args.workers, args.val_tokens,
+                                 args.shard_tokens, args.text_field)
+    except (InputError, FolderError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # writing the shards: a full disk, say
+        print(f"error: cannot write to {args.out} ({e.strerror or e}); the finished shards are kept: "
+              "free some space and rerun the same command to go on", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Interrupted):
+        print(f"\ninterrupted: the finished shards in {args.out} are kept; rerun the same command to go "
+              "on", file=sys.stderr)
+        return 130
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    print(summary(args.out, manifest, made, time.perf_counter() - began, args.workers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
