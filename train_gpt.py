@@ -41,6 +41,7 @@ import hashlib
 import importlib.metadata
 import math
 import os
+import re
 import resource
 import shutil
 import signal
@@ -992,6 +993,10 @@ def check_hyperparameters(args):
          "auto or false: triton, which its kernel needs, is not installed "
          "(`pip install -r requirements.txt` installs it, on Linux only)"),
         ("compile_cache", lambda v: not os.path.isdir(v), "a file name or '' (off), not a folder"),
+        # it is replaced after step 1: a file that is not one of the trainer's caches never is
+        ("compile_cache", lambda v: not os.path.exists(v) or is_compile_cache(v),
+         "a new file or a compile cache this trainer wrote (this file is not a compile cache and "
+         "would be overwritten: pick another name)"),
         ("seed", lambda v: 0 <= v < 2 ** 64, "from 0 to 2**64 - 1 (torch.manual_seed's range)"),
     ]
     for names, valid, allowed in rules:
@@ -1291,6 +1296,20 @@ def compile_cache_stamp(device):
         gpu = torch.cuda.get_device_name(device)
     return f"train_gpt compile cache: torch {torch.__version__}, triton {triton_version}, {gpu}"
 
+# the start of every compile cache's first line: "<header><stamp> sha256=<hex digest>"
+COMPILE_CACHE_HEADER = "train_gpt compile cache: "
+
+def is_compile_cache(path):
+    """Whether the file begins as this trainer's compile caches do (whatever their stamp): only such
+    a file is ever replaced by a cache."""
+    try:
+        with open(path, "rb") as f:
+            first_line = f.readline(4096)
+    except OSError:
+        return False
+    header = re.escape(COMPILE_CACHE_HEADER.encode()) + rb".* sha256=[0-9a-f]{64}\n"
+    return re.fullmatch(header, first_line) is not None
+
 def load_compile_cache_if_asked(args, compiled, stamp):
     """Every rank fills the compile caches from --compile_cache before anything compiles; a note."""
     if not args.compile_cache:
@@ -1319,7 +1338,10 @@ def load_compile_cache(path, stamp):
     return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
 def save_compile_cache(path, stamp):
-    """Written to a temp file in the same folder, then renamed into place: never half a cache."""
+    """Written to a temp file in the same folder, then renamed into place: never half a cache, and
+    never over a file that is not a cache (start-up refuses one; this catches one put there since)."""
+    if os.path.exists(path) and not is_compile_cache(path):
+        return f"not saved: {path} is not a compile cache now, so it stays as it is"
     tmp = f"{path}.{os.getpid()}.tmp"
     artifacts = (torch.compiler.save_cache_artifacts() or [b""])[0]
     try:
@@ -1327,6 +1349,9 @@ def save_compile_cache(path, stamp):
         Path(tmp).write_bytes(header.encode() + artifacts)
         os.replace(tmp, path)
     except OSError as e:
+        # a full disk, say: no partial file left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
         return f"not saved: {e}"
     return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
 

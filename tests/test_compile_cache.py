@@ -1,4 +1,5 @@
-"""The portable compile cache: what one process compiled, another with empty local caches reuses."""
+"""The portable compile cache: what one process compiled, another with empty local caches reuses; a file it did not
+write is never replaced."""
 import os
 import subprocess
 import sys
@@ -63,3 +64,29 @@ def test_foreign_or_corrupt_cache_is_reported_and_ignored(tmp_path):
     assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected: corrupt")
     path.write_bytes(bytes(range(256)) * 8)
     assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected")
+
+
+@pytest.mark.parametrize("contents", [b"my notes\n", b"", b"PK\x03\x04 a checkpoint, say",
+                                      b"train_gpt compile cache: but no digest\n"])
+def test_an_existing_file_that_is_not_a_cache_is_refused_at_start_up_and_left_as_it_is(
+        tmp_path, capsys, markov_shards, contents):
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(contents)
+    before = os.stat(notes)
+    code = train_gpt.main(["--preset", "smoke", "--train_files", markov_shards[0], "--val_files", markov_shards[1],
+                           "--compile", "true", "--compile_cache", str(notes), "--log_dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and err.startswith("error: --compile_cache must be ")
+    assert repr(str(notes)) in err and "not a compile cache" in err
+    assert notes.read_bytes() == contents and os.stat(notes).st_mtime_ns == before.st_mtime_ns
+    assert not (tmp_path / "logs").exists()  # refused before anything is written
+
+
+def test_saving_replaces_a_cache_of_another_stamp_but_never_another_file(tmp_path):
+    path = tmp_path / "compile.cache"
+    path.write_bytes(b"my notes\n")
+    assert train_gpt.save_compile_cache(str(path), STAMP).startswith("not saved: ")
+    assert path.read_bytes() == b"my notes\n" and not list(tmp_path.glob("*.tmp"))
+    path.write_bytes(f"train_gpt compile cache: torch 0.1 sha256={'0' * 64}\n".encode() + b"payload")
+    assert train_gpt.save_compile_cache(str(path), STAMP).startswith("saved")
+    assert path.read_bytes().startswith(f"{STAMP} sha256=".encode())
