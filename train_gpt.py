@@ -704,7 +704,7 @@ def train(args, checkpoint=None):
     micro_batch, accum_steps, val_batch = micro_batch_plan(args, world_size)
     train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
     compiled = switched_on(args.compile, device)
-    stamp = compile_cache_stamp(device)
+    stamp = compile_cache_stamp(args, world_size, device)
     cache_note = load_compile_cache_if_asked(args, compiled, stamp)
     if world_size > 1:
         start_process_group(device)
@@ -1287,17 +1287,32 @@ def compile_regions(model):
     model.head_loss = torch.compile(model.head_loss, dynamic=False)
     return model
 
-def compile_cache_stamp(device):
-    """What compiled code depends on: a cache file with another stamp is not used."""
+# the start of every compile cache's first line: "<header><stamp> sha256=<hex digest>"
+COMPILE_CACHE_HEADER = "train_gpt compile cache: "
+# the options that shape the compiled graphs: the model's, the head's, how it compiles, and the
+# evaluation's micro-batch (a process's share of --max_device_batch_size x processes)
+GRAPH_OPTIONS = [
+    "vocab_size", "num_layers", "num_heads", "model_dim", "attention_free_layer", "bf16_embeds",
+    "fused_head_loss", "head_chunk_rows", "regional_compile", "compile_tuning",
+    "max_device_batch_size",
+]
+
+def compile_cache_stamp(args, world_size, device):
+    """What compiled code depends on: a cache file with another stamp is not used. Beyond the
+    versions and the device: the process count (DDP splits the graph at its buckets on 2 or more;
+    Muon stacks each process's share of the matrices), the training micro-batch and GRAPH_OPTIONS."""
     installed = importlib.metadata.distributions(name="triton")
     triton_version = next((d.version for d in installed), None)
     gpu = "cpu"
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-    return f"train_gpt compile cache: torch {torch.__version__}, triton {triton_version}, {gpu}"
-
-# the start of every compile cache's first line: "<header><stamp> sha256=<hex digest>"
-COMPILE_CACHE_HEADER = "train_gpt compile cache: "
+    processes = f"{world_size} processes"
+    if world_size == 1:
+        processes = "1 process"
+    micro_batch, _, _ = micro_batch_plan(args, world_size)
+    options = ", ".join(f"--{name} {getattr(args, name)}" for name in GRAPH_OPTIONS)
+    return (f"{COMPILE_CACHE_HEADER}torch {torch.__version__}, triton {triton_version}, {gpu}, "
+            f"{processes}, micro-batch {micro_batch}, {options}")
 
 def is_compile_cache(path):
     """Whether the file begins as this trainer's compile caches do (whatever their stamp): only such
@@ -1327,8 +1342,13 @@ def load_compile_cache(path, stamp):
         header, _, artifacts = Path(path).read_bytes().partition(b"\n")
         made_by, _, digest = header.decode(errors="replace").rpartition(" sha256=")
         if made_by != stamp:
-            return (f"rejected: made by {made_by[:150]!r}, this run is {stamp!r}; "
-                    "rank 0 replaces it after step 1")
+            # only what differs, item by item
+            theirs = made_by.removeprefix(COMPILE_CACHE_HEADER).split(", ")
+            ours = stamp.removeprefix(COMPILE_CACHE_HEADER).split(", ")
+            made_for = ", ".join(item for item in theirs if item not in ours)
+            this_run = ", ".join(item for item in ours if item not in theirs)
+            return (f"rejected: made for {made_for[:300]}; this run is {this_run}; rank 0 replaces "
+                    "it after step 1")
         intact = hashlib.sha256(artifacts).hexdigest() == digest
         if not intact or torch.compiler.load_cache_artifacts(artifacts) is None:
             return "rejected: corrupt or unreadable; rank 0 replaces it after step 1"
