@@ -1163,6 +1163,19 @@ def prepare_shards(args, split, num_tokens):
     os.replace(tmp, path)
     return glob.escape(str(path))
 
+def same_contents(path, other):
+    """Whether two files hold the same bytes: one file under two names, or equal when read side by
+    side up to the first difference (shards of other text differ within the first MiB: it is cheap)."""
+    if os.path.samefile(path, other):
+        return True
+    with open(path, "rb") as a, open(other, "rb") as b:
+        while True:
+            chunk = a.read(2 ** 20)
+            if chunk != b.read(2 ** 20):
+                return False
+            if not chunk:
+                return True
+
 def build_loaders(args, rank, world_size, device, val_batch):
     """The train and val loaders, after checking from the shards' headers that the data suffices."""
     hint = fetch_hint(args.num_iterations, args.batch_size)
@@ -1180,6 +1193,13 @@ def build_loaders(args, rank, world_size, device, val_batch):
     if in_both:
         raise UserError(f"{min(in_both)} is matched by both --train_files and --val_files: a run "
                         "must never train on its validation data; narrow one of the globs")
+    # under another name too (a copy, a hard link): shards of the same size, compared
+    for val_path, val_size in zip(val_loader.files, val_loader.sizes):
+        for train_path, train_size in zip(train_loader.files, train_loader.sizes):
+            if train_size == val_size and same_contents(train_path, val_path):
+                raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} (a "
+                                "copy or a link): a run must never train on its validation data; "
+                                "take it out of the train shards or narrow --train_files")
     train_batches = train_loader.batches_before_wrap(args.batch_size)
     passes = args.num_iterations / train_batches
     if passes > 1 and not args.allow_data_repeat:
