@@ -45,6 +45,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -1150,6 +1151,47 @@ def make_writable_folder(folder, option):
         raise UserError(f"{option}: cannot make or write to {folder} ({e.strerror}): "
                         "pick another") from None
 
+def temp_path(path):
+    """Where path is written before it is renamed into place: a name of this machine and process, so
+    that a later run can tell the temp file of a write cut short from one still being written."""
+    return f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+
+def process_is_gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # alive but another user's (PermissionError), or no process id at all
+    except (OSError, OverflowError):
+        return False
+    return False
+
+def remove_stale_temp_files(args):
+    """Remove the temp files (temp_path's names) of this trainer's writes cut short on this machine,
+    once their process is gone: checkpoints in the run folders of --log_dir, synthetic shards, the
+    --compile_cache file. Nothing else is touched. Returns the paths removed."""
+    owner = rf"\.{re.escape(socket.gethostname())}\.(\d+)\.tmp"
+    log_dir = re.escape(os.path.join(args.log_dir, ""))
+    sep = re.escape(os.sep)
+    run_folder = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+    own_names = [
+        rf"{log_dir}{run_folder}{sep}state_step\d{{6}}\.pt{owner}",
+        rf"{log_dir}synthetic-seed\d+{sep}synthetic_(?:train|val)_\d{{6}}\.bin{owner}",
+    ]
+    candidates = glob.glob(os.path.join(glob.escape(args.log_dir), "*", "*.tmp"))
+    if args.compile_cache:
+        own_names.append(re.escape(args.compile_cache) + owner)
+        candidates += glob.glob(f"{glob.escape(args.compile_cache)}.*.tmp")
+    removed = []
+    for path in candidates:
+        matches = [re.fullmatch(name, path) for name in own_names]
+        owner_pid = next((int(match[1]) for match in matches if match), None)
+        if owner_pid is not None and process_is_gone(owner_pid):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+                removed.append(path)
+    return removed
+
 def prepare_shards(args, split, num_tokens):
     """The glob of a split's shards; for "synthetic", the seeded stream, written by each rank."""
     pattern = getattr(args, f"{split}_files")
@@ -1158,7 +1200,7 @@ def prepare_shards(args, split, num_tokens):
     name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
     path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
     make_writable_folder(path.parent, "--log_dir")
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temp_path(path)
     write_data_shard(tmp, markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed))
     os.replace(tmp, path)
     return glob.escape(str(path))
@@ -1219,16 +1261,19 @@ def build_loaders(args, rank, world_size, device, val_batch):
 # Run log: rank 0's logs/<run id>.txt, which begins with this file's source and the set-up
 
 class RunLog(contextlib.AbstractContextManager):
-    """Rank 0 writes the log; the other ranks' calls do nothing."""
+    """Rank 0 writes the log; the other ranks' calls do nothing. Rank 0 also removes, at the start,
+    the temp files of earlier writes cut short (remove_stale_temp_files), named in the header."""
     def __init__(self, args, master):
         self.file = None
         self.run_id = str(uuid.uuid4())
+        self.removed = []
         if master:
             make_writable_folder(args.log_dir, "--log_dir")
             self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
             self.file = open(self.path, "w")
             print(f"logging to {self.path}")
             self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+            self.removed = remove_stale_temp_files(args)
 
     def __call__(self, line, console=True):
         """Write a line to the log and, unless console is False, to stdout (or the stream given)."""
@@ -1270,6 +1315,9 @@ class RunLog(contextlib.AbstractContextManager):
              f"{passes:.2f} passes over the train shards")
         if args.compile_cache:
             self(f"compile cache {args.compile_cache}: {cache_note}")
+        if self.removed:
+            self(f"removed {len(self.removed)} temp files of interrupted writes: "
+                 f"{', '.join(self.removed)}")
         self("=" * 100, console=False)
 
 # --------------------------------------------------------------------------------------------------
@@ -1382,7 +1430,7 @@ def save_compile_cache(path, stamp):
     never over a file that is not a cache (start-up refuses one; this catches one put there since)."""
     if os.path.exists(path) and not is_compile_cache(path):
         return f"not saved: {path} is not a compile cache now, so it stays as it is"
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temp_path(path)
     artifacts = (torch.compiler.save_cache_artifacts() or [b""])[0]
     try:
         header = f"{stamp} sha256={hashlib.sha256(artifacts).hexdigest()}\n"
@@ -1557,8 +1605,11 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
         state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
                      loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
                      source_sha256=SOURCE_SHA256, train_shards=train_shards(args))
-        torch.save(state, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
+        tmp = temp_path(path)
+        # through a file object: the archive's inner folder is then "archive", whatever the temp name
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, path)
         run_folder = glob.escape(os.path.dirname(path))
         for old in sorted(glob.glob(os.path.join(run_folder, "state_step*.pt")))[:-2]:
             os.remove(old)
