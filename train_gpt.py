@@ -1266,7 +1266,12 @@ class RunLog(contextlib.AbstractContextManager):
     def __init__(self, args, master):
         self.file = None
         self.run_id = str(uuid.uuid4())
+        self.master = master
         self.removed = []
+        # the checkpoints this run wrote, (step, path), oldest first: the only files it deletes
+        self.checkpoints = []
+        # the step of the last checkpoint that could not be written
+        self.unsaved_step = None
         if master:
             make_writable_folder(args.log_dir, "--log_dir")
             self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
@@ -1517,13 +1522,20 @@ class CleanStop(contextlib.AbstractContextManager):
         return 0
 
 def log_stop(log, stop_signal, step, saved, world_size):
-    """The last line of the log and of stderr: which signal stopped the run, and how to go on."""
+    """The last line of the log and of stderr: which signal stopped the run, and how to go on (from
+    an earlier checkpoint where the stop's own could not be written)."""
     if world_size > 1:
         launcher = f"torchrun --standalone --nproc_per_node={world_size}"
     else:
         launcher = "python"
     if saved:
         how = f"resume with: {launcher} train_gpt.py --resume {saved}"
+    elif log.unsaved_step == step and log.checkpoints:
+        last_step, last = log.checkpoints[-1]
+        how = (f"its checkpoint could not be written (see the warning above): from step "
+               f"{last_step}, resume with: {launcher} train_gpt.py --resume {last}")
+    elif log.unsaved_step == step:
+        how = "its checkpoint could not be written (see the warning above), nor any before it"
     else:
         how = "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
     name = signal.Signals(stop_signal).name
@@ -1585,9 +1597,34 @@ def resume(checkpoint, log, model, adam, muon, train_loader):
         log("warning: resumed by another train_gpt.py than the one that wrote the checkpoint")
     return checkpoint["step"], checkpoint["timing"]
 
+def os_error_in(error):
+    """The OSError behind an error, or None: torch.save reports a failed write (a full disk) as a
+    RuntimeError raised while handling it."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+def tensor_bytes(state, storages=None):
+    """The bytes of the tensors in a nested state, each storage once: what torch.save writes, but for
+    a few KiB."""
+    if storages is None:
+        storages = {}
+    if isinstance(state, torch.Tensor):
+        storage = state.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    elif isinstance(state, dict):
+        for value in state.values():
+            tensor_bytes(value, storages)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            tensor_bytes(value, storages)
+    return sum(storages.values())
+
 def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time_ms, timed_steps):
     """Rank 0 writes a temp file and renames it into place (never half a checkpoint); a run keeps
-    its last two. Every rank takes part: each holds the Muon momenta of its own matrices."""
+    the last two it wrote, and deletes no other file. Every rank takes part: each holds the Muon
+    momenta of its own matrices. A write that fails (a full disk) is one warning: the partial file
+    is removed, the last checkpoint stays, training goes on, and rank 0 returns None."""
     started = time.perf_counter()
     names = {p: name for name, p in model.named_parameters()}
     momenta = {}
@@ -1598,23 +1635,45 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
             if muon.world_size > 1:
                 dist.broadcast(momenta[names[p]], src=i % muon.world_size)
     path = os.path.join(args.log_dir, log.run_id, f"state_step{step:06d}.pt")
-    if log.file:
+    if not log.master:
+        return path
+    # before the first timed step, no time has been counted
+    timing = (train_time_ms if timed_steps else 0.0, timed_steps)
+    state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
+                 loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
+                 source_sha256=SOURCE_SHA256, train_shards=train_shards(args))
+    tmp = temp_path(path)
+    try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        # before the first timed step, no time has been counted
-        timing = (train_time_ms if timed_steps else 0.0, timed_steps)
-        state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
-                     loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
-                     source_sha256=SOURCE_SHA256, train_shards=train_shards(args))
-        tmp = temp_path(path)
-        # through a file object: the archive's inner folder is then "archive", whatever the temp name
+        # through a file object: the archive's inner folder is then "archive", whatever the temp
+        # name, and a failed write's OSError is kept (as the context of torch's RuntimeError)
         with open(tmp, "wb") as f:
             torch.save(state, f)
         os.replace(tmp, path)
-        run_folder = glob.escape(os.path.dirname(path))
-        for old in sorted(glob.glob(os.path.join(run_folder, "state_step*.pt")))[:-2]:
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        error = os_error_in(e)
+        if error is None:
+            raise
+        log.unsaved_step = step
+        needed = tensor_bytes(state) / 2 ** 20
+        free = shutil.disk_usage(args.log_dir).free / 2 ** 20
+        kept = "there is no earlier one"
+        if log.checkpoints:
+            kept = f"the last one, {log.checkpoints[-1][1]}, stays"
+        log(f"warning: the checkpoint of step {step} could not be written ({error.strerror or error}: "
+            f"it needs {needed:.1f} MiB, {free:.1f} MiB are free in {args.log_dir}); {kept}",
+            console=sys.stderr)
+        return None
+    log.checkpoints.append((step, path))
+    # the last two this run wrote are kept: the older ones of its own, and no other file, go
+    while len(log.checkpoints) > 2:
+        _, old = log.checkpoints.pop(0)
+        with contextlib.suppress(FileNotFoundError):
             os.remove(old)
-        seconds = time.perf_counter() - started
-        log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
+    seconds = time.perf_counter() - started
+    log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
     return path
 
 # --------------------------------------------------------------------------------------------------

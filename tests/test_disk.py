@@ -1,6 +1,8 @@
-"""What the trainer deletes: only its own files (its own temp files of interrupted writes, once no process owns
-them)."""
+"""What the trainer writes and deletes: only its own files (checkpoints of its own rotation, its own temp files of
+interrupted writes, once no process owns them), and a checkpoint a full disk has no room for is one warning."""
 import os
+import re
+import signal
 import socket
 import subprocess
 import uuid
@@ -63,6 +65,14 @@ def run_among_user_files(markov_shards, tmp_path_factory):
     return log_dir, run_folder, dict(user=user, stale=stale, kept=kept)
 
 
+def test_checkpoint_rotation_deletes_only_the_checkpoints_this_run_wrote(run_among_user_files):
+    _, run_folder, planted = run_among_user_files
+    for path in planted["user"]:
+        assert path.read_text() == f"{path}: a user's\n"
+    ours = {"state_step000003.pt", "state_step000004.pt"}  # of 1 to 4, the last two
+    assert {p.name for p in run_folder.iterdir()} == ours | {p.name for p in planted["user"]}
+
+
 def test_stale_temp_files_are_removed_only_when_the_trainer_wrote_them_and_their_process_is_gone(
         run_among_user_files):
     log_dir, _, planted = run_among_user_files
@@ -72,3 +82,61 @@ def test_stale_temp_files_are_removed_only_when_the_trainer_wrote_them_and_their
     line = next(line for line in finished_log(log_dir).read_text().splitlines() if line.startswith("removed "))
     assert line.startswith("removed 3 temp files of interrupted writes: ")
     assert all(str(path) in line for path in planted["stale"])
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 100 MiB tmpfs (which needs root): room for three checkpoints of the tiny model, 28 MiB each."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def fill(folder, spare):
+    """Fill folder's filesystem up to `spare` free bytes."""
+    usage = os.statvfs(folder)
+    with open(os.path.join(folder, "filler"), "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, usage.f_bavail * usage.f_frsize - spare)
+
+
+def at_step(monkeypatch, actions):
+    """Run actions[step]() just before the stop check of that step."""
+    agreed = train_gpt.CleanStop.agreed
+
+    def with_action(self, step):
+        actions.get(step, lambda: None)()
+        return agreed(self, step)
+
+    monkeypatch.setattr(train_gpt.CleanStop, "agreed", with_action)
+
+
+def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_on(
+        small_filesystem, markov_shards, capsys, monkeypatch):
+    """The disk fills before step 4's checkpoint; SIGTERM at step 5, whose checkpoint fails too: the stop line
+    points at step 3's, which stays."""
+    log_dir = small_filesystem / "logs"
+    at_step(monkeypatch, {4: lambda: fill(small_filesystem, 256 * 1024),
+                          5: lambda: signal.raise_signal(signal.SIGTERM)})
+    code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "1", "--val_loss_every", "0"))
+    assert code == 128 + signal.SIGTERM
+    log = finished_log(log_dir)
+    folder = log_dir / log.stem
+    assert sorted(p.name for p in folder.iterdir()) == ["state_step000002.pt", "state_step000003.pt"]
+    size = (folder / "state_step000003.pt").stat().st_size / 2 ** 20
+    err = capsys.readouterr().err.splitlines()
+    lines = log.read_text().splitlines()
+    for step in (4, 5):
+        warning = next(line for line in lines if line.startswith(f"warning: the checkpoint of step {step} "))
+        assert warning in err and "could not be written (No space left on device: it needs " in warning
+        assert warning.endswith(f"; the last one, {folder / 'state_step000003.pt'}, stays")
+        needed = float(re.search(r"it needs (\d+\.\d) MiB", warning)[1])
+        assert abs(needed - size) < 0.01 * size, (needed, size)
+    assert "step:5/8 train_time:" in "\n".join(lines)  # trained on after the failed checkpoint
+    stop_line = lines[-1]
+    assert stop_line == err[-1] and stop_line.startswith("stopped by SIGTERM after step 5; its checkpoint could not")
+    assert stop_line.endswith(f" --resume {folder / 'state_step000003.pt'}") and "from step 3" in stop_line
+    torch.load(folder / "state_step000003.pt")  # whole
