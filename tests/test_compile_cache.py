@@ -103,10 +103,10 @@ def stamp_of(world_size=1, **changes):
 # what the compiled graphs depend on (the model's shapes and forms, the micro-batch, the process count) and what
 # they do not (the data, the schedules, the learning rates, the batch when its micro-batches stay the same); 8
 # processes of batches of 4,096 tokens have the micro-batches of 512 of the preset's 1 process
-GRAPH_CHANGES = [dict(world_size=8, batch_size=4096), dict(world_size=8), dict(regional_compile=True), dict(fused_head_loss="true"),
-                 dict(max_device_batch_size=256), dict(vocab_size=50432), dict(num_layers=10), dict(num_heads=4),
-                 dict(model_dim=128), dict(attention_free_layer=2), dict(bf16_embeds=False),
-                 dict(head_chunk_rows=64), dict(compile_tuning=True)]
+GRAPH_CHANGES = [dict(world_size=8, batch_size=4096), dict(world_size=8), dict(regional_compile=True),
+                 dict(fused_head_loss="true"), dict(max_device_batch_size=256), dict(vocab_size=50432),
+                 dict(num_layers=10), dict(num_heads=4), dict(model_dim=128), dict(attention_free_layer=2),
+                 dict(bf16_embeds=False), dict(head_chunk_rows=64), dict(compile_tuning=True)]
 SAME_GRAPHS = [dict(seed=1), dict(num_iterations=99), dict(muon_lr=0.1), dict(head_lr=0.1), dict(window_end=1024),
                dict(batch_size=2048), dict(val_tokens=8192), dict(checkpoint_every=5), dict(log_dir="elsewhere")]
 
