@@ -711,7 +711,7 @@ def train(args, checkpoint=None):
         start_process_group(device)
     master = (rank == 0)
     with (RunLog(args, master) as log, out_of_memory_as_error(micro_batch),
-          CleanStop(world_size) as stop):
+          CleanStop(world_size, log) as stop):
         log.header(args, world_size, device, train_loader, val_loader, passes, cache_note)
         model, train_model, adam, muon = build_model(args, device, world_size, compiled)
         start, timing = resume(checkpoint, log, model, adam, muon, train_loader)
@@ -785,11 +785,13 @@ def train(args, checkpoint=None):
                 synchronize(device)
                 log(startup_report(args, compiled, stamp, master, step + 1))
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
-        if stopping:
+        if stopping or log.failure:
             log_stop(log, stop_signal, step, saved, world_size)
     if world_size > 1:
         # no rank tears the process group down while another still writes or reduces
         dist.barrier()
+    if log.failure or stop_signal == LOG_WRITE_FAILED:
+        return 1
     if stopping:
         # as if the signal had ended the process
         return 128 + stop_signal
@@ -1206,8 +1208,8 @@ def prepare_shards(args, split, num_tokens):
     return glob.escape(str(path))
 
 def same_contents(path, other):
-    """Whether two files hold the same bytes: one file under two names, or equal when read side by
-    side up to the first difference (shards of other text differ within the first MiB: it is cheap)."""
+    """Whether two files hold the same bytes: one file under two names, or equal when read side
+    by side up to the first difference (shards of other text differ in their first MiB: cheap)."""
     if os.path.samefile(path, other):
         return True
     with open(path, "rb") as a, open(other, "rb") as b:
@@ -1239,9 +1241,9 @@ def build_loaders(args, rank, world_size, device, val_batch):
     for val_path, val_size in zip(val_loader.files, val_loader.sizes):
         for train_path, train_size in zip(train_loader.files, train_loader.sizes):
             if train_size == val_size and same_contents(train_path, val_path):
-                raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} (a "
-                                "copy or a link): a run must never train on its validation data; "
-                                "take it out of the train shards or narrow --train_files")
+                raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
+                                "(a copy or a link): a run must never train on its validation "
+                                "data; take it out of the train shards or narrow --train_files")
     train_batches = train_loader.batches_before_wrap(args.batch_size)
     passes = args.num_iterations / train_batches
     if passes > 1 and not args.allow_data_repeat:
@@ -1262,7 +1264,9 @@ def build_loaders(args, rank, world_size, device, val_batch):
 
 class RunLog(contextlib.AbstractContextManager):
     """Rank 0 writes the log; the other ranks' calls do nothing. Rank 0 also removes, at the start,
-    the temp files of earlier writes cut short (remove_stale_temp_files), named in the header."""
+    the temp files of earlier writes cut short (remove_stale_temp_files), named in the header. A
+    line that cannot be written (a full disk) closes the file and sets `failure`: the ranks then
+    stop as on a signal (CleanStop), and the line saying so goes to stderr."""
     def __init__(self, args, master):
         self.file = None
         self.run_id = str(uuid.uuid4())
@@ -1272,27 +1276,47 @@ class RunLog(contextlib.AbstractContextManager):
         self.checkpoints = []
         # the step of the last checkpoint that could not be written
         self.unsaved_step = None
+        # why the log stopped being written, once a write failed
+        self.failure = None
         if master:
             make_writable_folder(args.log_dir, "--log_dir")
             self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
-            self.file = open(self.path, "w")
-            print(f"logging to {self.path}")
-            self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+            try:
+                self.file = open(self.path, "w")
+                print(f"logging to {self.path}")
+                self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+                self.file.flush()
+            except OSError as e:
+                self.close()
+                raise UserError(f"cannot write to the log {self.path} ({e.strerror}): free some "
+                                "space or pick another --log_dir") from None
             self.removed = remove_stale_temp_files(args)
 
     def __call__(self, line, console=True):
         """Write a line to the log and, unless console is False, to stdout (or the stream given)."""
+        if not self.master:
+            return
+        if console:
+            print(line, file=None if console is True else console)
         if self.file:
-            if console:
-                print(line, file=None if console is True else console)
-            print(line, file=self.file, flush=True)
+            try:
+                print(line, file=self.file, flush=True)
+            except OSError as e:
+                self.failure = f"cannot write to the log {self.path} ({e.strerror})"
+                self.close()
+
+    def close(self):
+        if self.file:
+            # closing flushes what a failed write left in the buffer, and fails again
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self.file = None
 
     def __exit__(self, kind, error, traceback):
         # main() prints the error
         if isinstance(error, UserError):
             self(f"error: {error}", console=False)
-        if self.file:
-            self.file.close()
+        self.close()
 
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
         """Versions, GPUs, options and shards into the log; the data line on the console too."""
@@ -1373,7 +1397,7 @@ GRAPH_OPTIONS = [
 def compile_cache_stamp(args, world_size, device):
     """What compiled code depends on: a cache file with another stamp is not used. Beyond the
     versions and the device: the process count (DDP splits the graph at its buckets on 2 or more;
-    Muon stacks each process's share of the matrices), the training micro-batch and GRAPH_OPTIONS."""
+    Muon stacks each process's share of the matrices), the training micro-batch, GRAPH_OPTIONS."""
     installed = importlib.metadata.distributions(name="triton")
     triton_version = next((d.version for d in installed), None)
     gpu = "cpu"
@@ -1432,7 +1456,8 @@ def load_compile_cache(path, stamp):
 
 def save_compile_cache(path, stamp):
     """Written to a temp file in the same folder, then renamed into place: never half a cache, and
-    never over a file that is not a cache (start-up refuses one; this catches one put there since)."""
+    never over a file that is not a cache (start-up refuses one; this catches one put there
+    later)."""
     if os.path.exists(path) and not is_compile_cache(path):
         return f"not saved: {path} is not a compile cache now, so it stays as it is"
     tmp = temp_path(path)
@@ -1469,6 +1494,8 @@ def startup_report(args, compiled, stamp, master, step):
 
 # steps between exchanges of the stop flag among processes
 STOP_CHECK_EVERY = 5
+# the stop flag, above every signal number, when rank 0 cannot write its log
+LOG_WRITE_FAILED = 256
 SOURCE_SHA256 = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 # a resumed run cannot change these: the model, the data position and the schedules depend on them
 FIXED_OPTIONS = [
@@ -1484,10 +1511,12 @@ def stop_if_diverged(val_loss, step):
                         "--head_lr, --scalar_lr)")
 
 class CleanStop(contextlib.AbstractContextManager):
-    """SIGTERM or SIGINT, while train() runs, sets a flag. Every STOP_CHECK_EVERY steps the ranks
-    all-reduce it on a CPU group, and read the result at the next exchange: no host wait, no device
-    sync, and all ranks stop after the same step."""
-    def __init__(self, world_size):
+    """SIGTERM or SIGINT, while train() runs, sets a flag, and so does a log that cannot be written
+    (LOG_WRITE_FAILED, on rank 0). Every STOP_CHECK_EVERY steps the ranks all-reduce it on a CPU
+    group, and read the result at the next exchange: no host wait, no device sync, and all ranks
+    stop after the same step."""
+    def __init__(self, world_size, log):
+        self.log = log
         self.received = 0
         self.pending = (torch.tensor(0), None)
         self.group = None
@@ -1508,6 +1537,8 @@ class CleanStop(contextlib.AbstractContextManager):
 
     def agreed(self, step):
         """The signal that all ranks stop on after this step, or 0; called at every step on all."""
+        if self.log.failure and not self.received:
+            self.received = LOG_WRITE_FAILED
         if self.group is None:
             return self.received
         if step % STOP_CHECK_EVERY:
@@ -1522,8 +1553,10 @@ class CleanStop(contextlib.AbstractContextManager):
         return 0
 
 def log_stop(log, stop_signal, step, saved, world_size):
-    """The last line of the log and of stderr: which signal stopped the run, and how to go on (from
-    an earlier checkpoint where the stop's own could not be written)."""
+    """The last line of the log and of stderr: which signal stopped the run, or the log's failure,
+    and how to go on (from an earlier checkpoint where the stop's own could not be written)."""
+    if not log.master:
+        return
     if world_size > 1:
         launcher = f"torchrun --standalone --nproc_per_node={world_size}"
     else:
@@ -1538,6 +1571,9 @@ def log_stop(log, stop_signal, step, saved, world_size):
         how = "its checkpoint could not be written (see the warning above), nor any before it"
     else:
         how = "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
+    if log.failure:
+        log(f"error: {log.failure}: stopped after step {step}; {how}", console=sys.stderr)
+        return
     name = signal.Signals(stop_signal).name
     log(f"stopped by {name} after step {step}; {how}", console=sys.stderr)
 
@@ -1605,8 +1641,8 @@ def os_error_in(error):
     return error
 
 def tensor_bytes(state, storages=None):
-    """The bytes of the tensors in a nested state, each storage once: what torch.save writes, but for
-    a few KiB."""
+    """The bytes of the tensors in a nested state, each storage once: what torch.save writes, but
+    for a few KiB."""
     if storages is None:
         storages = {}
     if isinstance(state, torch.Tensor):
@@ -1662,8 +1698,9 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
         kept = "there is no earlier one"
         if log.checkpoints:
             kept = f"the last one, {log.checkpoints[-1][1]}, stays"
-        log(f"warning: the checkpoint of step {step} could not be written ({error.strerror or error}: "
-            f"it needs {needed:.1f} MiB, {free:.1f} MiB are free in {args.log_dir}); {kept}",
+        reason = error.strerror or str(error)
+        log(f"warning: the checkpoint of step {step} could not be written ({reason}: it needs "
+            f"{needed:.1f} MiB, {free:.1f} MiB are free in {args.log_dir}); {kept}",
             console=sys.stderr)
         return None
     log.checkpoints.append((step, path))

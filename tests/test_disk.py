@@ -1,17 +1,18 @@
 """What the trainer writes and deletes: only its own files (checkpoints of its own rotation, its own temp files of
-interrupted writes, once no process owns them), and a checkpoint a full disk has no room for is one warning."""
+interrupted writes, once no process owns them), and a full disk is one line, never a lost run."""
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import uuid
 
 import pytest
 import torch
 
 import train_gpt
-from conftest import finished_log
+from conftest import BACKGROUND, REPO, finished_log
 from test_resume import tiny
 
 HOST = socket.gethostname()
@@ -140,3 +141,75 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_
     assert stop_line == err[-1] and stop_line.startswith("stopped by SIGTERM after step 5; its checkpoint could not")
     assert stop_line.endswith(f" --resume {folder / 'state_step000003.pt'}") and "from step 3" in stop_line
     torch.load(folder / "state_step000003.pt")  # whole
+
+
+def log_fd(log_dir):
+    """The descriptor this process has open on the log in log_dir."""
+    for fd in os.listdir("/proc/self/fd"):
+        target = os.path.realpath(f"/proc/self/fd/{fd}")
+        if target.startswith(str(log_dir)) and target.endswith(".txt"):
+            return int(fd)
+    raise AssertionError(f"no log open in {log_dir}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
+def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoint(
+        markov_shards, tmp_path, capsys, monkeypatch):
+    """From step 2 on, writes to the log fail as on a full disk (its descriptor now /dev/full's)."""
+    full = os.open("/dev/full", os.O_WRONLY)
+    at_step(monkeypatch, {2: lambda: os.dup2(full, log_fd(tmp_path))})
+    try:
+        code = train_gpt.main(tiny(markov_shards, tmp_path, "--checkpoint_every", "2", "--val_loss_every", "0"))
+    finally:
+        os.close(full)
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    log = finished_log(tmp_path)
+    checkpoint = tmp_path / log.stem / "state_step000003.pt"  # written at the stop
+    assert err.startswith(f"error: cannot write to the log {log} (No space left on device): stopped after step 3; ")
+    assert err.rstrip().endswith(f" --resume {checkpoint}")
+    assert log.read_text().splitlines()[-1].startswith("step:2/8 train_time:")  # all it could write, kept
+    torch.load(checkpoint)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/full is Linux's")
+def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards, tmp_path, capsys, monkeypatch):
+    run_id = uuid.UUID(int=3)
+    (tmp_path / f"{run_id}.txt").symlink_to("/dev/full")
+    monkeypatch.setattr(train_gpt.uuid, "uuid4", lambda: run_id)
+    monkeypatch.setattr(train_gpt, "build_model", lambda *args: pytest.fail("the model was built"))
+    assert train_gpt.main(tiny(markov_shards, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: cannot write to the log {tmp_path / f'{run_id}.txt'} (No space left on device): " \
+                  "free some space or pick another --log_dir\n"
+
+
+def run_with_a_failing_log(tmp_path_factory, markov_shards):
+    """tests/log_full_worker.py under torchrun: rank 0's log fails from step 2 on; a checkpoint every 2 steps."""
+    log_dir = tmp_path_factory.mktemp("log_full")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "log_full_worker.py"), "2",
+           *tiny(markov_shards, log_dir, "--val_loss_every", "0", "--checkpoint_every", "2")]
+    return log_dir, subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def log_full_on_two_processes(request):
+    factory, shards = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("markov_shards")
+    return BACKGROUND.once("log_full", run_with_a_failing_log, factory, shards)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
+@pytest.mark.background.with_args(log_full_on_two_processes)
+def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(request):
+    """Rank 1 learns it with the stop flag, as of a signal: both stop after step 4, whose checkpoint (a collective:
+    rank 1 sends its Muon momenta) is written."""
+    log_dir, result = log_full_on_two_processes(request).result()
+    log = finished_log(log_dir)
+    checkpoint = log_dir / log.stem / "state_step000004.pt"
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: cannot write to the log {log} (No space left on device): stopped after step 4; "
+                      "resume with: torchrun --standalone --nproc_per_node=2 train_gpt.py --resume "
+                      f"{checkpoint}"], result.stderr[-3000:]
+    assert result.returncode != 0 and 'train_gpt.py", line' not in result.stderr  # no worker's traceback
+    assert torch.load(checkpoint)["step"] == 4
