@@ -1413,7 +1413,9 @@ def compile_cache_stamp(args, world_size, device):
 
 def is_compile_cache(path):
     """Whether the file begins as this trainer's compile caches do (whatever their stamp): only such
-    a file is ever replaced by a cache."""
+    a file is ever replaced by a cache. Not a regular file (a device, a pipe): never one."""
+    if not os.path.isfile(path):
+        return False
     try:
         with open(path, "rb") as f:
             first_line = f.readline(4096)
@@ -1694,14 +1696,15 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
             raise
         log.unsaved_step = step
         needed = tensor_bytes(state) / 2 ** 20
-        free = shutil.disk_usage(args.log_dir).free / 2 ** 20
+        free = "? MiB are"
+        with contextlib.suppress(OSError):
+            free = f"{shutil.disk_usage(args.log_dir).free / 2 ** 20:.1f} MiB are"
         kept = "there is no earlier one"
         if log.checkpoints:
             kept = f"the last one, {log.checkpoints[-1][1]}, stays"
         reason = error.strerror or str(error)
         log(f"warning: the checkpoint of step {step} could not be written ({reason}: it needs "
-            f"{needed:.1f} MiB, {free:.1f} MiB are free in {args.log_dir}); {kept}",
-            console=sys.stderr)
+            f"{needed:.1f} MiB, {free} free in {args.log_dir}); {kept}", console=sys.stderr)
         return None
     log.checkpoints.append((step, path))
     # the last two this run wrote are kept: the older ones of its own, and no other file, go

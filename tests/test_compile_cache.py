@@ -85,6 +85,19 @@ def test_an_existing_file_that_is_not_a_cache_is_refused_at_start_up_and_left_as
     assert not (tmp_path / "logs").exists()  # refused before anything is written
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.parametrize("kind", ["device", "named pipe"])
+def test_a_device_or_a_pipe_is_refused_without_waiting_for_it(tmp_path, capsys, kind):
+    """Replaced, /dev/null would become a plain file (as root, which CI runs as); a pipe's reader waits for a
+    writer."""
+    path = os.devnull
+    if kind == "named pipe":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    assert train_gpt.main(["--preset", "smoke", "--compile_cache", str(path)]) == 1
+    assert capsys.readouterr().err.startswith("error: --compile_cache must be a new file or a compile cache")
+
+
 def test_saving_replaces_a_cache_of_another_stamp_but_never_another_file(tmp_path):
     path = tmp_path / "compile.cache"
     path.write_bytes(b"my notes\n")
