@@ -32,7 +32,7 @@ def temp_name(path, pid, host=HOST):
 
 @pytest.fixture(scope="module")
 def run_among_user_files(markov_shards, tmp_path_factory):
-    """A 4-step run checkpointing every step, into a log folder holding a user's files and the temp files of
+    """A 3-step run checkpointing every step, into a log folder holding a user's files and the temp files of
     interrupted writes; returns the log folder, the run's checkpoint folder, and the planted files, by kind."""
     log_dir = tmp_path_factory.mktemp("crowded")
     run_id = uuid.UUID(int=28)
@@ -59,7 +59,7 @@ def run_among_user_files(markov_shards, tmp_path_factory):
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train_gpt.uuid, "uuid4", lambda: run_id)
-        code = train_gpt.main(tiny(markov_shards, log_dir, "--num_iterations", "4", "--val_loss_every", "0",
+        code = train_gpt.main(tiny(markov_shards, log_dir, "--num_iterations", "3", "--val_loss_every", "0",
                                    "--checkpoint_every", "1", "--compile_cache", str(cache)))
     torch.set_num_threads(threads)
     assert code == 0
@@ -70,7 +70,7 @@ def test_checkpoint_rotation_deletes_only_the_checkpoints_this_run_wrote(run_amo
     _, run_folder, planted = run_among_user_files
     for path in planted["user"]:
         assert path.read_text() == f"{path}: a user's\n"
-    ours = {"state_step000003.pt", "state_step000004.pt"}  # of 1 to 4, the last two
+    ours = {"state_step000002.pt", "state_step000003.pt"}  # of 1 to 3, the last two
     assert {p.name for p in run_folder.iterdir()} == ours | {p.name for p in planted["user"]}
 
 
@@ -117,30 +117,30 @@ def at_step(monkeypatch, actions):
 
 def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_on(
         small_filesystem, markov_shards, capsys, monkeypatch):
-    """The disk fills before step 4's checkpoint; SIGTERM at step 5, whose checkpoint fails too: the stop line
-    points at step 3's, which stays."""
+    """The disk fills before step 3's checkpoint; SIGTERM at step 4, whose checkpoint fails too: the stop line
+    points at step 2's, which stays."""
     log_dir = small_filesystem / "logs"
-    at_step(monkeypatch, {4: lambda: fill(small_filesystem, 256 * 1024),
-                          5: lambda: signal.raise_signal(signal.SIGTERM)})
+    at_step(monkeypatch, {3: lambda: fill(small_filesystem, 256 * 1024),
+                          4: lambda: signal.raise_signal(signal.SIGTERM)})
     code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "1", "--val_loss_every", "0"))
     assert code == 128 + signal.SIGTERM
     log = finished_log(log_dir)
     folder = log_dir / log.stem
-    assert sorted(p.name for p in folder.iterdir()) == ["state_step000002.pt", "state_step000003.pt"]
-    size = (folder / "state_step000003.pt").stat().st_size / 2 ** 20
+    assert sorted(p.name for p in folder.iterdir()) == ["state_step000001.pt", "state_step000002.pt"]
+    size = (folder / "state_step000002.pt").stat().st_size / 2 ** 20
     err = capsys.readouterr().err.splitlines()
     lines = log.read_text().splitlines()
-    for step in (4, 5):
+    for step in (3, 4):
         warning = next(line for line in lines if line.startswith(f"warning: the checkpoint of step {step} "))
         assert warning in err and "could not be written (No space left on device: it needs " in warning
-        assert warning.endswith(f"; the last one, {folder / 'state_step000003.pt'}, stays")
+        assert warning.endswith(f"; the last one, {folder / 'state_step000002.pt'}, stays")
         needed = float(re.search(r"it needs (\d+\.\d) MiB", warning)[1])
         assert abs(needed - size) < 0.01 * size, (needed, size)
-    assert "step:5/8 train_time:" in "\n".join(lines)  # trained on after the failed checkpoint
+    assert "step:4/8 train_time:" in "\n".join(lines)  # trained on after the failed checkpoint
     stop_line = lines[-1]
-    assert stop_line == err[-1] and stop_line.startswith("stopped by SIGTERM after step 5; its checkpoint could not")
-    assert stop_line.endswith(f" --resume {folder / 'state_step000003.pt'}") and "from step 3" in stop_line
-    torch.load(folder / "state_step000003.pt")  # whole
+    assert stop_line == err[-1] and stop_line.startswith("stopped by SIGTERM after step 4; its checkpoint could not")
+    assert stop_line.endswith(f" --resume {folder / 'state_step000002.pt'}") and "from step 2" in stop_line
+    torch.load(folder / "state_step000002.pt")  # whole
 
 
 def log_fd(log_dir):
