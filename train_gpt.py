@@ -41,9 +41,11 @@ import hashlib
 import importlib.metadata
 import math
 import os
+import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -703,13 +705,13 @@ def train(args, checkpoint=None):
     micro_batch, accum_steps, val_batch = micro_batch_plan(args, world_size)
     train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
     compiled = switched_on(args.compile, device)
-    stamp = compile_cache_stamp(device)
+    stamp = compile_cache_stamp(args, world_size, device)
     cache_note = load_compile_cache_if_asked(args, compiled, stamp)
     if world_size > 1:
         start_process_group(device)
     master = (rank == 0)
     with (RunLog(args, master) as log, out_of_memory_as_error(micro_batch),
-          CleanStop(world_size) as stop):
+          CleanStop(world_size, log) as stop):
         log.header(args, world_size, device, train_loader, val_loader, passes, cache_note)
         model, train_model, adam, muon = build_model(args, device, world_size, compiled)
         start, timing = resume(checkpoint, log, model, adam, muon, train_loader)
@@ -783,11 +785,13 @@ def train(args, checkpoint=None):
                 synchronize(device)
                 log(startup_report(args, compiled, stamp, master, step + 1))
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
-        if stopping:
+        if stopping or log.failure:
             log_stop(log, stop_signal, step, saved, world_size)
     if world_size > 1:
         # no rank tears the process group down while another still writes or reduces
         dist.barrier()
+    if log.failure or stop_signal == LOG_WRITE_FAILED:
+        return 1
     if stopping:
         # as if the signal had ended the process
         return 128 + stop_signal
@@ -992,6 +996,10 @@ def check_hyperparameters(args):
          "auto or false: triton, which its kernel needs, is not installed "
          "(`pip install -r requirements.txt` installs it, on Linux only)"),
         ("compile_cache", lambda v: not os.path.isdir(v), "a file name or '' (off), not a folder"),
+        # it is replaced after step 1: a file that is not one of the trainer's caches never is
+        ("compile_cache", lambda v: not os.path.exists(v) or is_compile_cache(v),
+         "a new file or a compile cache this trainer wrote (this file is not a compile cache and "
+         "would be overwritten: pick another name)"),
         ("seed", lambda v: 0 <= v < 2 ** 64, "from 0 to 2**64 - 1 (torch.manual_seed's range)"),
     ]
     for names, valid, allowed in rules:
@@ -1145,6 +1153,47 @@ def make_writable_folder(folder, option):
         raise UserError(f"{option}: cannot make or write to {folder} ({e.strerror}): "
                         "pick another") from None
 
+def temp_path(path):
+    """Where path is written before it is renamed into place: a name of this machine and process, so
+    that a later run can tell the temp file of a write cut short from one still being written."""
+    return f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+
+def process_is_gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # alive but another user's (PermissionError), or no process id at all
+    except (OSError, OverflowError):
+        return False
+    return False
+
+def remove_stale_temp_files(args):
+    """Remove the temp files (temp_path's names) of this trainer's writes cut short on this machine,
+    once their process is gone: checkpoints in the run folders of --log_dir, synthetic shards, the
+    --compile_cache file. Nothing else is touched. Returns the paths removed."""
+    owner = rf"\.{re.escape(socket.gethostname())}\.(\d+)\.tmp"
+    log_dir = re.escape(os.path.join(args.log_dir, ""))
+    sep = re.escape(os.sep)
+    run_folder = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+    own_names = [
+        rf"{log_dir}{run_folder}{sep}state_step\d{{6}}\.pt{owner}",
+        rf"{log_dir}synthetic-seed\d+{sep}synthetic_(?:train|val)_\d{{6}}\.bin{owner}",
+    ]
+    candidates = glob.glob(os.path.join(glob.escape(args.log_dir), "*", "*.tmp"))
+    if args.compile_cache:
+        own_names.append(re.escape(args.compile_cache) + owner)
+        candidates += glob.glob(f"{glob.escape(args.compile_cache)}.*.tmp")
+    removed = []
+    for path in candidates:
+        matches = [re.fullmatch(name, path) for name in own_names]
+        owner_pid = next((int(match[1]) for match in matches if match), None)
+        if owner_pid is not None and process_is_gone(owner_pid):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+                removed.append(path)
+    return removed
+
 def prepare_shards(args, split, num_tokens):
     """The glob of a split's shards; for "synthetic", the seeded stream, written by each rank."""
     pattern = getattr(args, f"{split}_files")
@@ -1153,10 +1202,23 @@ def prepare_shards(args, split, num_tokens):
     name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
     path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
     make_writable_folder(path.parent, "--log_dir")
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temp_path(path)
     write_data_shard(tmp, markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed))
     os.replace(tmp, path)
     return glob.escape(str(path))
+
+def same_contents(path, other):
+    """Whether two files hold the same bytes: one file under two names, or equal when read side
+    by side up to the first difference (shards of other text differ in their first MiB: cheap)."""
+    if os.path.samefile(path, other):
+        return True
+    with open(path, "rb") as a, open(other, "rb") as b:
+        while True:
+            chunk = a.read(2 ** 20)
+            if chunk != b.read(2 ** 20):
+                return False
+            if not chunk:
+                return True
 
 def build_loaders(args, rank, world_size, device, val_batch):
     """The train and val loaders, after checking from the shards' headers that the data suffices."""
@@ -1175,6 +1237,13 @@ def build_loaders(args, rank, world_size, device, val_batch):
     if in_both:
         raise UserError(f"{min(in_both)} is matched by both --train_files and --val_files: a run "
                         "must never train on its validation data; narrow one of the globs")
+    # under another name too (a copy, a hard link): shards of the same size, compared
+    for val_path, val_size in zip(val_loader.files, val_loader.sizes):
+        for train_path, train_size in zip(train_loader.files, train_loader.sizes):
+            if train_size == val_size and same_contents(train_path, val_path):
+                raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
+                                "(a copy or a link): a run must never train on its validation "
+                                "data; take it out of the train shards or narrow --train_files")
     train_batches = train_loader.batches_before_wrap(args.batch_size)
     passes = args.num_iterations / train_batches
     if passes > 1 and not args.allow_data_repeat:
@@ -1194,30 +1263,60 @@ def build_loaders(args, rank, world_size, device, val_batch):
 # Run log: rank 0's logs/<run id>.txt, which begins with this file's source and the set-up
 
 class RunLog(contextlib.AbstractContextManager):
-    """Rank 0 writes the log; the other ranks' calls do nothing."""
+    """Rank 0 writes the log; the other ranks' calls do nothing. Rank 0 also removes, at the start,
+    the temp files of earlier writes cut short (remove_stale_temp_files), named in the header. A
+    line that cannot be written (a full disk) closes the file and sets `failure`: the ranks then
+    stop as on a signal (CleanStop), and the line saying so goes to stderr."""
     def __init__(self, args, master):
         self.file = None
         self.run_id = str(uuid.uuid4())
+        self.master = master
+        self.removed = []
+        # the checkpoints this run wrote, (step, path), oldest first: the only files it deletes
+        self.checkpoints = []
+        # the step of the last checkpoint that could not be written
+        self.unsaved_step = None
+        # why the log stopped being written, once a write failed
+        self.failure = None
         if master:
             make_writable_folder(args.log_dir, "--log_dir")
             self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
-            self.file = open(self.path, "w")
-            print(f"logging to {self.path}")
-            self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+            try:
+                self.file = open(self.path, "w")
+                print(f"logging to {self.path}")
+                self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+                self.file.flush()
+            except OSError as e:
+                self.close()
+                raise UserError(f"cannot write to the log {self.path} ({e.strerror}): free some "
+                                "space or pick another --log_dir") from None
+            self.removed = remove_stale_temp_files(args)
 
     def __call__(self, line, console=True):
         """Write a line to the log and, unless console is False, to stdout (or the stream given)."""
+        if not self.master:
+            return
+        if console:
+            print(line, file=None if console is True else console)
         if self.file:
-            if console:
-                print(line, file=None if console is True else console)
-            print(line, file=self.file, flush=True)
+            try:
+                print(line, file=self.file, flush=True)
+            except OSError as e:
+                self.failure = f"cannot write to the log {self.path} ({e.strerror})"
+                self.close()
+
+    def close(self):
+        if self.file:
+            # closing flushes what a failed write left in the buffer, and fails again
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self.file = None
 
     def __exit__(self, kind, error, traceback):
         # main() prints the error
         if isinstance(error, UserError):
             self(f"error: {error}", console=False)
-        if self.file:
-            self.file.close()
+        self.close()
 
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
         """Versions, GPUs, options and shards into the log; the data line on the console too."""
@@ -1245,6 +1344,9 @@ class RunLog(contextlib.AbstractContextManager):
              f"{passes:.2f} passes over the train shards")
         if args.compile_cache:
             self(f"compile cache {args.compile_cache}: {cache_note}")
+        if self.removed:
+            self(f"removed {len(self.removed)} temp files of interrupted writes: "
+                 f"{', '.join(self.removed)}")
         self("=" * 100, console=False)
 
 # --------------------------------------------------------------------------------------------------
@@ -1282,14 +1384,45 @@ def compile_regions(model):
     model.head_loss = torch.compile(model.head_loss, dynamic=False)
     return model
 
-def compile_cache_stamp(device):
-    """What compiled code depends on: a cache file with another stamp is not used."""
+# the start of every compile cache's first line: "<header><stamp> sha256=<hex digest>"
+COMPILE_CACHE_HEADER = "train_gpt compile cache: "
+# the options that shape the compiled graphs: the model's, the head's, how it compiles, and the
+# evaluation's micro-batch (a process's share of --max_device_batch_size x processes)
+GRAPH_OPTIONS = [
+    "vocab_size", "num_layers", "num_heads", "model_dim", "attention_free_layer", "bf16_embeds",
+    "fused_head_loss", "head_chunk_rows", "regional_compile", "compile_tuning",
+    "max_device_batch_size",
+]
+
+def compile_cache_stamp(args, world_size, device):
+    """What compiled code depends on: a cache file with another stamp is not used. Beyond the
+    versions and the device: the process count (DDP splits the graph at its buckets on 2 or more;
+    Muon stacks each process's share of the matrices), the training micro-batch, GRAPH_OPTIONS."""
     installed = importlib.metadata.distributions(name="triton")
     triton_version = next((d.version for d in installed), None)
     gpu = "cpu"
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-    return f"train_gpt compile cache: torch {torch.__version__}, triton {triton_version}, {gpu}"
+    processes = f"{world_size} processes"
+    if world_size == 1:
+        processes = "1 process"
+    micro_batch, _, _ = micro_batch_plan(args, world_size)
+    options = ", ".join(f"--{name} {getattr(args, name)}" for name in GRAPH_OPTIONS)
+    return (f"{COMPILE_CACHE_HEADER}torch {torch.__version__}, triton {triton_version}, {gpu}, "
+            f"{processes}, micro-batch {micro_batch}, {options}")
+
+def is_compile_cache(path):
+    """Whether the file begins as this trainer's compile caches do (whatever their stamp): only such
+    a file is ever replaced by a cache. Not a regular file (a device, a pipe): never one."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            first_line = f.readline(4096)
+    except OSError:
+        return False
+    header = re.escape(COMPILE_CACHE_HEADER.encode()) + rb".* sha256=[0-9a-f]{64}\n"
+    return re.fullmatch(header, first_line) is not None
 
 def load_compile_cache_if_asked(args, compiled, stamp):
     """Every rank fills the compile caches from --compile_cache before anything compiles; a note."""
@@ -1308,8 +1441,13 @@ def load_compile_cache(path, stamp):
         header, _, artifacts = Path(path).read_bytes().partition(b"\n")
         made_by, _, digest = header.decode(errors="replace").rpartition(" sha256=")
         if made_by != stamp:
-            return (f"rejected: made by {made_by[:150]!r}, this run is {stamp!r}; "
-                    "rank 0 replaces it after step 1")
+            # only what differs, item by item
+            theirs = made_by.removeprefix(COMPILE_CACHE_HEADER).split(", ")
+            ours = stamp.removeprefix(COMPILE_CACHE_HEADER).split(", ")
+            made_for = ", ".join(item for item in theirs if item not in ours)
+            this_run = ", ".join(item for item in ours if item not in theirs)
+            return (f"rejected: made for {made_for[:300]}; this run is {this_run}; rank 0 replaces "
+                    "it after step 1")
         intact = hashlib.sha256(artifacts).hexdigest() == digest
         if not intact or torch.compiler.load_cache_artifacts(artifacts) is None:
             return "rejected: corrupt or unreadable; rank 0 replaces it after step 1"
@@ -1319,14 +1457,21 @@ def load_compile_cache(path, stamp):
     return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
 def save_compile_cache(path, stamp):
-    """Written to a temp file in the same folder, then renamed into place: never half a cache."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    """Written to a temp file in the same folder, then renamed into place: never half a cache, and
+    never over a file that is not a cache (start-up refuses one; this catches one put there
+    later)."""
+    if os.path.exists(path) and not is_compile_cache(path):
+        return f"not saved: {path} is not a compile cache now, so it stays as it is"
+    tmp = temp_path(path)
     artifacts = (torch.compiler.save_cache_artifacts() or [b""])[0]
     try:
         header = f"{stamp} sha256={hashlib.sha256(artifacts).hexdigest()}\n"
         Path(tmp).write_bytes(header.encode() + artifacts)
         os.replace(tmp, path)
     except OSError as e:
+        # a full disk, say: no partial file left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
         return f"not saved: {e}"
     return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
@@ -1351,6 +1496,8 @@ def startup_report(args, compiled, stamp, master, step):
 
 # steps between exchanges of the stop flag among processes
 STOP_CHECK_EVERY = 5
+# the stop flag, above every signal number, when rank 0 cannot write its log
+LOG_WRITE_FAILED = 256
 SOURCE_SHA256 = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 # a resumed run cannot change these: the model, the data position and the schedules depend on them
 FIXED_OPTIONS = [
@@ -1366,10 +1513,12 @@ def stop_if_diverged(val_loss, step):
                         "--head_lr, --scalar_lr)")
 
 class CleanStop(contextlib.AbstractContextManager):
-    """SIGTERM or SIGINT, while train() runs, sets a flag. Every STOP_CHECK_EVERY steps the ranks
-    all-reduce it on a CPU group, and read the result at the next exchange: no host wait, no device
-    sync, and all ranks stop after the same step."""
-    def __init__(self, world_size):
+    """SIGTERM or SIGINT, while train() runs, sets a flag, and so does a log that cannot be written
+    (LOG_WRITE_FAILED, on rank 0). Every STOP_CHECK_EVERY steps the ranks all-reduce it on a CPU
+    group, and read the result at the next exchange: no host wait, no device sync, and all ranks
+    stop after the same step."""
+    def __init__(self, world_size, log):
+        self.log = log
         self.received = 0
         self.pending = (torch.tensor(0), None)
         self.group = None
@@ -1390,6 +1539,8 @@ class CleanStop(contextlib.AbstractContextManager):
 
     def agreed(self, step):
         """The signal that all ranks stop on after this step, or 0; called at every step on all."""
+        if self.log.failure and not self.received:
+            self.received = LOG_WRITE_FAILED
         if self.group is None:
             return self.received
         if step % STOP_CHECK_EVERY:
@@ -1404,15 +1555,27 @@ class CleanStop(contextlib.AbstractContextManager):
         return 0
 
 def log_stop(log, stop_signal, step, saved, world_size):
-    """The last line of the log and of stderr: which signal stopped the run, and how to go on."""
+    """The last line of the log and of stderr: which signal stopped the run, or the log's failure,
+    and how to go on (from an earlier checkpoint where the stop's own could not be written)."""
+    if not log.master:
+        return
     if world_size > 1:
         launcher = f"torchrun --standalone --nproc_per_node={world_size}"
     else:
         launcher = "python"
     if saved:
         how = f"resume with: {launcher} train_gpt.py --resume {saved}"
+    elif log.unsaved_step == step and log.checkpoints:
+        last_step, last = log.checkpoints[-1]
+        how = (f"its checkpoint could not be written (see the warning above): from step "
+               f"{last_step}, resume with: {launcher} train_gpt.py --resume {last}")
+    elif log.unsaved_step == step:
+        how = "its checkpoint could not be written (see the warning above), nor any before it"
     else:
         how = "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
+    if log.failure:
+        log(f"error: {log.failure}: stopped after step {step}; {how}", console=sys.stderr)
+        return
     name = signal.Signals(stop_signal).name
     log(f"stopped by {name} after step {step}; {how}", console=sys.stderr)
 
@@ -1472,9 +1635,34 @@ def resume(checkpoint, log, model, adam, muon, train_loader):
         log("warning: resumed by another train_gpt.py than the one that wrote the checkpoint")
     return checkpoint["step"], checkpoint["timing"]
 
+def os_error_in(error):
+    """The OSError behind an error, or None: torch.save reports a failed write (a full disk) as a
+    RuntimeError raised while handling it."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+def tensor_bytes(state, storages=None):
+    """The bytes of the tensors in a nested state, each storage once: what torch.save writes, but
+    for a few KiB."""
+    if storages is None:
+        storages = {}
+    if isinstance(state, torch.Tensor):
+        storage = state.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    elif isinstance(state, dict):
+        for value in state.values():
+            tensor_bytes(value, storages)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            tensor_bytes(value, storages)
+    return sum(storages.values())
+
 def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time_ms, timed_steps):
     """Rank 0 writes a temp file and renames it into place (never half a checkpoint); a run keeps
-    its last two. Every rank takes part: each holds the Muon momenta of its own matrices."""
+    the last two it wrote, and deletes no other file. Every rank takes part: each holds the Muon
+    momenta of its own matrices. A write that fails (a full disk) is one warning: the partial file
+    is removed, the last checkpoint stays, training goes on, and rank 0 returns None."""
     started = time.perf_counter()
     names = {p: name for name, p in model.named_parameters()}
     momenta = {}
@@ -1485,20 +1673,47 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
             if muon.world_size > 1:
                 dist.broadcast(momenta[names[p]], src=i % muon.world_size)
     path = os.path.join(args.log_dir, log.run_id, f"state_step{step:06d}.pt")
-    if log.file:
+    if not log.master:
+        return path
+    # before the first timed step, no time has been counted
+    timing = (train_time_ms if timed_steps else 0.0, timed_steps)
+    state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
+                 loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
+                 source_sha256=SOURCE_SHA256, train_shards=train_shards(args))
+    tmp = temp_path(path)
+    try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        # before the first timed step, no time has been counted
-        timing = (train_time_ms if timed_steps else 0.0, timed_steps)
-        state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
-                     loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
-                     source_sha256=SOURCE_SHA256, train_shards=train_shards(args))
-        torch.save(state, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
-        run_folder = glob.escape(os.path.dirname(path))
-        for old in sorted(glob.glob(os.path.join(run_folder, "state_step*.pt")))[:-2]:
+        # through a file object: the archive's inner folder is then "archive", whatever the temp
+        # name, and a failed write's OSError is kept (as the context of torch's RuntimeError)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        error = os_error_in(e)
+        if error is None:
+            raise
+        log.unsaved_step = step
+        needed = tensor_bytes(state) / 2 ** 20
+        free = "? MiB are"
+        with contextlib.suppress(OSError):
+            free = f"{shutil.disk_usage(args.log_dir).free / 2 ** 20:.1f} MiB are"
+        kept = "there is no earlier one"
+        if log.checkpoints:
+            kept = f"the last one, {log.checkpoints[-1][1]}, stays"
+        reason = error.strerror or str(error)
+        log(f"warning: the checkpoint of step {step} could not be written ({reason}: it needs "
+            f"{needed:.1f} MiB, {free} free in {args.log_dir}); {kept}", console=sys.stderr)
+        return None
+    log.checkpoints.append((step, path))
+    # the last two this run wrote are kept: the older ones of its own, and no other file, go
+    while len(log.checkpoints) > 2:
+        _, old = log.checkpoints.pop(0)
+        with contextlib.suppress(FileNotFoundError):
             os.remove(old)
-        seconds = time.perf_counter() - started
-        log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
+    seconds = time.perf_counter() - started
+    log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
     return path
 
 # --------------------------------------------------------------------------------------------------

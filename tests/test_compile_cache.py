@@ -1,9 +1,12 @@
-"""The portable compile cache: what one process compiled, another with empty local caches reuses."""
+"""The portable compile cache: what one process compiled, another with empty local caches reuses; a file it did not
+write is never replaced."""
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import BACKGROUND, REPO
 
 import train_gpt
@@ -57,9 +60,78 @@ def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(re
 def test_foreign_or_corrupt_cache_is_reported_and_ignored(tmp_path):
     path = tmp_path / "compile.cache"
     assert train_gpt.load_compile_cache(str(path), STAMP).startswith("not found")
-    path.write_bytes(b"train_gpt compile cache: torch 0.1, triton none, Other GPU sha256=00\npayload")
-    assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected: made by 'train_gpt compile cache: torch 0.1")
+    path.write_bytes(f"train_gpt compile cache: torch 0.1, triton none, Other GPU sha256={'0' * 64}\npayload".encode())
+    note = train_gpt.load_compile_cache(str(path), STAMP)
+    assert note.startswith("rejected: made for torch 0.1, triton none, Other GPU; this run is torch test; ")
     path.write_bytes(f"{STAMP} sha256={'0' * 64}\n".encode() + b"payload")
     assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected: corrupt")
     path.write_bytes(bytes(range(256)) * 8)
     assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected")
+
+
+@pytest.mark.parametrize("contents", [b"my notes\n", b"", b"PK\x03\x04 a checkpoint, say",
+                                      b"train_gpt compile cache: but no digest\n"])
+def test_an_existing_file_that_is_not_a_cache_is_refused_at_start_up_and_left_as_it_is(
+        tmp_path, capsys, markov_shards, contents):
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(contents)
+    before = os.stat(notes)
+    code = train_gpt.main(["--preset", "smoke", "--train_files", markov_shards[0], "--val_files", markov_shards[1],
+                           "--compile", "true", "--compile_cache", str(notes), "--log_dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and err.startswith("error: --compile_cache must be ")
+    assert repr(str(notes)) in err and "not a compile cache" in err
+    assert notes.read_bytes() == contents and os.stat(notes).st_mtime_ns == before.st_mtime_ns
+    assert not (tmp_path / "logs").exists()  # refused before anything is written
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.parametrize("kind", ["device", "named pipe"])
+def test_a_device_or_a_pipe_is_refused_without_waiting_for_it(tmp_path, capsys, kind):
+    """Replaced, /dev/null would become a plain file (as root, which CI runs as); a pipe's reader waits for a
+    writer."""
+    path = os.devnull
+    if kind == "named pipe":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    assert train_gpt.main(["--preset", "smoke", "--compile_cache", str(path)]) == 1
+    assert capsys.readouterr().err.startswith("error: --compile_cache must be a new file or a compile cache")
+
+
+def test_saving_replaces_a_cache_of_another_stamp_but_never_another_file(tmp_path):
+    path = tmp_path / "compile.cache"
+    path.write_bytes(b"my notes\n")
+    assert train_gpt.save_compile_cache(str(path), STAMP).startswith("not saved: ")
+    assert path.read_bytes() == b"my notes\n" and not list(tmp_path.glob("*.tmp"))
+    path.write_bytes(f"train_gpt compile cache: torch 0.1 sha256={'0' * 64}\n".encode() + b"payload")
+    assert train_gpt.save_compile_cache(str(path), STAMP).startswith("saved")
+    assert path.read_bytes().startswith(f"{STAMP} sha256=".encode())
+
+
+def stamp_of(world_size=1, **changes):
+    args = dataclasses.replace(train_gpt.parse_args(["--preset", "smoke"]), **changes)
+    return train_gpt.compile_cache_stamp(args, world_size, torch.device("cpu"))
+
+
+# what the compiled graphs depend on (the model's shapes and forms, the micro-batch, the process count) and what
+# they do not (the data, the schedules, the learning rates, the batch when its micro-batches stay the same); 8
+# processes of batches of 4,096 tokens have the micro-batches of 512 of the preset's 1 process
+GRAPH_CHANGES = [dict(world_size=8, batch_size=4096), dict(world_size=8), dict(regional_compile=True),
+                 dict(fused_head_loss="true"), dict(max_device_batch_size=256), dict(vocab_size=50432),
+                 dict(num_layers=10), dict(num_heads=4), dict(model_dim=128), dict(attention_free_layer=2),
+                 dict(bf16_embeds=False), dict(head_chunk_rows=64), dict(compile_tuning=True)]
+SAME_GRAPHS = [dict(seed=1), dict(num_iterations=99), dict(muon_lr=0.1), dict(head_lr=0.1), dict(window_end=1024),
+               dict(batch_size=2048), dict(val_tokens=8192), dict(checkpoint_every=5), dict(log_dir="elsewhere")]
+
+
+@pytest.mark.parametrize("changes", GRAPH_CHANGES + SAME_GRAPHS, ids=lambda changes: str(changes))
+def test_the_stamp_changes_exactly_with_what_the_compiled_graphs_depend_on(changes):
+    assert (stamp_of(**changes) != stamp_of()) == (changes in GRAPH_CHANGES)
+
+
+def test_a_cache_of_another_process_count_is_rejected_naming_the_difference(tmp_path):
+    path = tmp_path / "compile.cache"
+    # batches of 4,096 tokens: micro-batches of 512 on 1 process and on 8
+    path.write_bytes(f"{stamp_of(world_size=1, batch_size=4096)} sha256={'0' * 64}\n".encode())
+    note = train_gpt.load_compile_cache(str(path), stamp_of(world_size=8, batch_size=4096))
+    assert note.startswith("rejected: made for 1 process; this run is 8 processes; ") and "replaces it" in note
