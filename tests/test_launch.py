@@ -51,9 +51,11 @@ def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.pop("TORCHELASTIC_RUN_ID", None)
     started = time.monotonic()
-    # without the check, rank 0 would wait for rank 1 for gloo's 30 minutes
-    result = subprocess.run([sys.executable, "train_gpt.py", *TINY_RUN, "--log_dir", str(tmp_path)], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=120)
+    # options that suit two processes: without the check, rank 0 would wait gloo's 30 minutes for rank 1
+    two_processes = ["--preset", "smoke", "--batch_size", "256", "--max_device_batch_size", "128", "--val_tokens",
+                     "256", "--log_dir", str(tmp_path)]
+    result = subprocess.run([sys.executable, "train_gpt.py", *two_processes], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
     assert time.monotonic() - started < 60
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     assert result.stderr.startswith(f"error: RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={env['MASTER_PORT']} ")
