@@ -1228,8 +1228,8 @@ def build_loaders(args, rank, world_size, device, val_batch):
 
 def to_console(line, stream=None):
     """Print a line on stdout (or the stream given). A console that has gone away (a closed pipe, a
-    hung-up terminal) never ends the run: that stream writes to os.devnull from then on, so neither
-    the next line nor Python's flush at exit fails again, and the log file goes on."""
+    hung-up terminal) never ends the run: the log file goes on, and the stream writes to os.devnull
+    from then on, so that no later print fails, ours or any other code's (Python's flush at exit)."""
     stream = stream or sys.stdout
     try:
         print(line, file=stream, flush=True)

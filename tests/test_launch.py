@@ -280,3 +280,29 @@ def test_a_console_that_goes_away_does_not_end_the_run(request):
     assert code == 0 and "Error" not in err and "Exception" not in err, err[-3000:]
     lines = log.read_text().splitlines()
     assert lines[-1].startswith("peak memory consumption: ") and "step:1/1 val_loss:" in lines[-2]
+
+
+def test_once_the_console_has_gone_any_later_print_to_it_goes_nowhere():
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as console:
+        train_gpt.to_console("the first line that finds no reader", console)
+        # anyone's print, not only the trainer's: Python's own flush at exit is one
+        print("a later line", file=console, flush=True)
+
+
+def test_rank_zero_logs_another_ranks_last_line_while_its_own_main_thread_is_stuck(monkeypatch):
+    """As torchrun's store would carry it; here this test's own store, and a log that is a list."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    launched = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_RUN_ID="test")
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    lines = []
+    peers = train_gpt.PeerErrors(lambda line, console: lines.append(line))
+    train_gpt.post_to_rank_zero("rank 3: error: out of GPU memory")
+    # this thread only waits, as rank 0's would in a collective with a dead rank: the watch writes the line
+    deadline = time.monotonic() + 10
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    peers.close(failed=False)
+    assert lines == ["rank 3: error: out of GPU memory"]
