@@ -1319,8 +1319,10 @@ class RunLog(contextlib.AbstractContextManager):
             self.file = open(self.path, "w")
             to_console(f"logging to {self.path}")
             self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+            # a store that cannot be reached costs the watch, not the run
             if dist.is_initialized() and dist.get_world_size() > 1:
-                self.peers = PeerErrors(self)
+                with contextlib.suppress(RuntimeError):
+                    self.peers = PeerErrors(self)
 
     def __call__(self, line, console=True):
         """Write a line to the log and, unless console is False, to stdout (or the stream given)."""
@@ -1685,13 +1687,13 @@ def parse_args(argv=None, resumed=None):
     namespace = parser.parse_args(argv)
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
-def last_words(line, console=True):
-    """A process's final error line: on stderr, in the error file torchrun gave it, and from a rank
-    other than 0, in rank 0's log."""
+def last_words(line, console=True, own=True):
+    """A process's final error line: on stderr, in the error file torchrun gave it, and, if the error
+    is this rank's own (not one that every rank met), from a rank other than 0 into rank 0's log."""
     if console:
         to_console(line, sys.stderr)
     tell_launcher(line)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if own and dist.is_initialized() and dist.get_rank() != 0:
         post_to_rank_zero(f"rank {dist.get_rank()}: {line}")
 
 def main(argv=None):
@@ -1710,7 +1712,7 @@ def main(argv=None):
         # Once a node (local rank 0), so that each node's console has it, a checkpoint missing on
         # one node included; an error of one rank alone (every_rank) on that rank.
         if e.every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            last_words(f"error: {e}")
+            last_words(f"error: {e}", own=e.every_rank)
         return 1
     except Exception as e:
         # its traceback follows; the first line of the message (C++ errors add a stack) for the rest
