@@ -23,9 +23,10 @@ fi
 # write a checkpoint, then kills them (read by torch 2.12 and later; torch 2.11 always gives 30 s).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 
-# torchrun, ending with the trainer's own last lines: a failed worker's line, which the trainer leaves in
-# the error file torchrun gives each worker, is printed again last (the first failure at the very end), in
-# place of torchrun's traceback and report; a stop signal ends it quietly with the signal's exit code.
+# torchrun, ending with the trainer's own last lines. The trainer leaves each worker's last line (an error,
+# a stop) in the error file torchrun gives that worker: when workers fail, their lines are printed again,
+# last, the first failure's at the very end, in place of torchrun's traceback and report. A stop signal
+# that reached torchrun ends it quietly (the workers' stop line is already last), with 128 + the signal.
 read -r -d '' launcher <<'PYTHON' || true
 import logging
 import os
@@ -42,31 +43,45 @@ def not_the_failure_report(record):
 
 
 def exit_code(failure):
-    return failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+    if failure.exitcode < 0:
+        return 128 - failure.exitcode
+    return failure.exitcode
+
+
+def last_line(failure):
+    if isinstance(failure.message, dict):
+        return failure.message["message"]
+    return failure.message
 
 
 logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(not_the_failure_report)
-# that torchrun has no error file of its own to copy a worker's into
+# it says that torchrun has no error file of its own to copy a worker's into
 logging.getLogger("torch.distributed.elastic.multiprocessing.errors.error_handler").setLevel(logging.CRITICAL)
 if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
-    # under nohup: torchrun would catch hang-ups and stop its workers; they stay ignored, by all
+    # under nohup: torchrun would catch a hang-up and stop its workers; it stays ignored, by all
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGQUIT")
 try:
     main()
 except SignalException as stop:
     sys.exit(128 + stop.sigval)
 except ChildFailedError as failed:
-    recorded = sorted((f for f in failed.failures.values() if os.path.isfile(f.error_file)),
-                      key=lambda f: os.path.getmtime(f.error_file))
-    lines = [f.message["message"] if isinstance(f.message, dict) else f.message for f in recorded]
-    if not recorded:
+    recorded = [f for f in failed.failures.values() if os.path.isfile(f.error_file)]
+    recorded.sort(key=lambda f: os.path.getmtime(f.error_file))
+    if recorded:
+        first = recorded[0]
+        # each line once, where it first appeared; the first failure, the cause of the others, last
+        lines = list(dict.fromkeys(last_line(f) for f in recorded))
+        lines.reverse()
+    else:
         rank, first = failed.get_first_failure()
-        how = f"by {first.signal_name()}" if first.exitcode < 0 else f"with exit code {first.exitcode}"
+        how = f"with exit code {first.exitcode}"
+        if first.exitcode < 0:
+            how = f"by {first.signal_name()}"
         lines = [f"run.sh: rank {rank} ended {how}, without an error line of its own; its output is above"]
     try:
-        print(*reversed(list(dict.fromkeys(lines))), sep="\n", file=sys.stderr, flush=True)
+        print(*lines, sep="\n", file=sys.stderr, flush=True)
     except OSError:
         pass
-    sys.exit(exit_code(recorded[0]) if recorded else exit_code(first))
+    sys.exit(exit_code(first))
 PYTHON
 exec python -c "$launcher" --standalone --nproc_per_node="$gpus" train_gpt.py "$@"

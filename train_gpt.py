@@ -1049,7 +1049,7 @@ LAUNCH_VARIABLES = [
 ]
 
 def check_launch_environment():
-    """torchrun sets TORCHELASTIC_RUN_ID with the variables above (every version since 1.9): without
+    """torchrun's agent sets TORCHELASTIC_RUN_ID with the variables above, for every worker: without
     it, any of them is a leftover, refused on every process before anything waits for another."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return
