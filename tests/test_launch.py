@@ -58,7 +58,8 @@ def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for
                             capture_output=True, text=True, timeout=120)
     assert time.monotonic() - started < 60
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
-    assert result.stderr.startswith(f"error: RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={env['MASTER_PORT']} ")
+    settings = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={env['MASTER_PORT']}"
+    assert result.stderr.startswith(f"error: {settings} set in the environment")
 
 
 # the first rank of each node, and only it, says that a checkpoint is missing: on several nodes only global rank 0's
