@@ -36,19 +36,24 @@ LAUNCH_TIME = time.time()
 
 import argparse
 import contextlib
+import datetime
 import glob
 import hashlib
 import importlib.metadata
+import json
 import math
 import os
 import re
 import resource
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import traceback
 import uuid
 import zipfile
 from dataclasses import asdict
@@ -396,7 +401,7 @@ class GPT(nn.Module):
 
     @classmethod
     def from_args(cls, args, device=torch.device("cpu")):
-        fused_head_loss = switched_on(args.fused_head_loss, device) and triton is not None
+        fused_head_loss = fused_head_on(args.fused_head_loss, device)
         return cls(args.vocab_size, args.num_layers, args.num_heads, args.model_dim,
                    attention_free_layer=args.attention_free_layer, bf16_embeds=args.bf16_embeds,
                    fused_head_loss=fused_head_loss, head_chunk_rows=args.head_chunk_rows)
@@ -948,6 +953,15 @@ def fused_head_loss(x, weight, targets, chunk_rows=0):
         return torch.cat(losses).mean()
     return softcapped_cross_entropy_(matmul(x, w.T), targets).mean()
 
+def fused_head_on(option, device):
+    """--fused_head_loss, which needs triton: auto means on with NVIDIA's CUDA only. ROCm builds
+    also call their GPUs "cuda", but cannot build the kernel's PTX instruction (tanh.approx.f32)."""
+    if triton is None:
+        return False
+    if option == "auto":
+        return device.type == "cuda" and torch.version.hip is None
+    return option == "true"
+
 # --------------------------------------------------------------------------------------------------
 # Option checks
 
@@ -1034,6 +1048,25 @@ def micro_batch_plan(args, world_size):
 
 # --------------------------------------------------------------------------------------------------
 # Device set-up
+
+# What torchrun sets for each process it starts. Left over in a shell, they would make one process
+# a rank of a run that does not exist: RANK=1 trains with no log and wrong Muon updates, and
+# WORLD_SIZE=2 waits up to 30 minutes for a second process.
+LAUNCH_VARIABLES = [
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+]
+
+def check_launch_environment():
+    """torchrun's agent sets TORCHELASTIC_RUN_ID with the variables above, for every worker: without
+    it, any of them is a leftover, refused on every process before anything waits for another."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    found = [name for name in LAUNCH_VARIABLES if name in os.environ]
+    if found:
+        settings = " ".join(f"{name}={shlex.quote(os.environ[name])}" for name in found)
+        raise UserError(f"{settings} set in the environment, but this process was not started by "
+                        f"torchrun: for one process, `unset {' '.join(found)}` first; for several, "
+                        "launch with ./run.sh or torchrun, which set them", every_rank=True)
 
 def nvidia_smi_gpus():
     """(name, driver) of each GPU that nvidia-smi lists; none when it does not answer."""
@@ -1262,13 +1295,95 @@ def build_loaders(args, rank, world_size, device, val_batch):
 # --------------------------------------------------------------------------------------------------
 # Run log: rank 0's logs/<run id>.txt, which begins with this file's source and the set-up
 
+def to_console(line, stream=None):
+    """Print a line on stdout (or the stream given). A console that has gone away (a closed pipe, a
+    hung-up terminal) never ends the run: the log file goes on, and the stream writes to os.devnull
+    from then on, so that no later print fails, ours or any other code's (Python's flush at exit)."""
+    stream = stream or sys.stdout
+    try:
+        print(line, file=stream, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+def tell_launcher(line):
+    """Leave this process's last line in the file torchrun names for it, in the format of torchrun's
+    own ErrorHandler: torchrun's report of a failed run quotes it, and ./run.sh prints it last."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time()))))
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps(dict(message=message)))
+
+def peer_store():
+    """A client of the key-value store torchrun serves at MASTER_ADDR:MASTER_PORT, which every
+    process of the run reaches."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+def peer_key(name):
+    """A key of this run's attempt (torchrun may restart one) in that store."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"train_gpt/{os.environ['TORCHELASTIC_RUN_ID']}/{attempt}/{name}"
+
+def post_to_rank_zero(line):
+    """A failing rank's last line, for rank 0's log (PeerErrors): the log has the cause of a run
+    that one rank ended, whichever node that rank was on."""
+    with contextlib.suppress(Exception):
+        store = peer_store()
+        number = store.add(peer_key("errors"), 1)
+        store.set(peer_key(f"error{number}"), line)
+
+class PeerErrors:
+    """Rank 0 writes into its log the lines other ranks post as they fail. A thread polls for them
+    every second: when a rank dies, rank 0's main thread may be stuck in a collective with it until
+    torchrun kills it, and its log would end without the cause."""
+    def __init__(self, log):
+        self.log = log
+        self.written = 0
+        self.store = peer_store()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self):
+        # a store that fails (its server gone) ends the watch, quietly
+        with contextlib.suppress(Exception):
+            while not self.stopped.wait(1.0):
+                self._catch_up()
+
+    def _catch_up(self):
+        posted = self.store.add(peer_key("errors"), 0)
+        for number in range(self.written + 1, posted + 1):
+            self.log(self.store.get(peer_key(f"error{number}")).decode(), console=False)
+        self.written = posted
+
+    def close(self, failed):
+        """Stop the watch; after a failure, one more look, as rank 0 may have seen it first."""
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        if failed and not self.thread.is_alive():
+            with contextlib.suppress(Exception):
+                self._catch_up()
+
+def nvidia_smi_report():
+    """nvidia-smi's table for the log, or why there is none: a broken driver can make it hang."""
+    try:
+        answer = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"nvidia-smi: no table ({type(e).__name__}: {e})"
+    return answer.stdout.rstrip()
+
 class RunLog(contextlib.AbstractContextManager):
     """Rank 0 writes the log; the other ranks' calls do nothing. Rank 0 also removes, at the start,
     the temp files of earlier writes cut short (remove_stale_temp_files), named in the header. A
     line that cannot be written (a full disk) closes the file and sets `failure`: the ranks then
-    stop as on a signal (CleanStop), and the line saying so goes to stderr."""
+    stop as on a signal (CleanStop), and the line saying so goes to stderr. With several processes,
+    rank 0's log also gets the last line of any other rank that fails (PeerErrors)."""
     def __init__(self, args, master):
         self.file = None
+        self.peers = None
         self.run_id = str(uuid.uuid4())
         self.master = master
         self.removed = []
@@ -1283,7 +1398,7 @@ class RunLog(contextlib.AbstractContextManager):
             self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
             try:
                 self.file = open(self.path, "w")
-                print(f"logging to {self.path}")
+                to_console(f"logging to {self.path}")
                 self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
                 self.file.flush()
             except OSError as e:
@@ -1291,13 +1406,19 @@ class RunLog(contextlib.AbstractContextManager):
                 raise UserError(f"cannot write to the log {self.path} ({e.strerror}): free some "
                                 "space or pick another --log_dir") from None
             self.removed = remove_stale_temp_files(args)
+            # a store that cannot be reached costs the watch, not the run
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                with contextlib.suppress(RuntimeError):
+                    self.peers = PeerErrors(self)
 
     def __call__(self, line, console=True):
         """Write a line to the log and, unless console is False, to stdout (or the stream given)."""
         if not self.master:
             return
-        if console:
-            print(line, file=None if console is True else console)
+        if console is True:
+            to_console(line)
+        elif console:
+            to_console(line, console)
         if self.file:
             try:
                 print(line, file=self.file, flush=True)
@@ -1312,10 +1433,14 @@ class RunLog(contextlib.AbstractContextManager):
                 self.file.close()
             self.file = None
 
-    def __exit__(self, kind, error, traceback):
-        # main() prints the error
+    def __exit__(self, kind, error, trace):
+        # main() prints a UserError; Python prints any other error's traceback, here kept in the log
         if isinstance(error, UserError):
             self(f"error: {error}", console=False)
+        elif isinstance(error, Exception):
+            self("".join(traceback.format_exception(kind, error, trace)).rstrip(), console=False)
+        if self.peers:
+            self.peers.close(failed=error is not None)
         self.close()
 
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
@@ -1328,9 +1453,9 @@ class RunLog(contextlib.AbstractContextManager):
             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
             f"devices: {world_size} x {gpu}",
         ]
-        if shutil.which("nvidia-smi"):
-            smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True)
-            lines.append(smi.stdout.rstrip())
+        # once a run: only rank 0 writes the log
+        if self.file and shutil.which("nvidia-smi"):
+            lines.append(nvidia_smi_report())
         lines += ["=" * 100, "hyperparameters:"]
         lines += [f"  {name} = {value}" for name, value in asdict(args).items()]
         for name, loader in (("train", train_loader), ("val", val_loader)):
@@ -1377,8 +1502,18 @@ def build_model(args, device, world_size, compiled):
                           gradient_as_bucket_view=True)
     return model, train_model, adam, muon
 
+# graphs of one function that dynamo keeps with --regional_compile: 4 times the 8 it traces
+REGIONAL_RECOMPILE_LIMIT = 32
+
 def compile_regions(model):
-    """Each block and the head compiled alone: 4 block forms are traced, not 12 blocks."""
+    """Each block and the head compiled alone: 4 block forms are traced, not 12 blocks. Training
+    traces 4 forms and evaluation 4 more, as many graphs of one function as dynamo keeps by default
+    (recompile_limit, 8): past it dynamo runs the block uncompiled, whose flex attention then builds
+    the whole score matrix (out of memory at 65,536 tokens). So the limit gets headroom, and a form
+    beyond it is an error rather than a silent fallback."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               REGIONAL_RECOMPILE_LIMIT)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for block in model.blocks:
         block.compile(dynamic=False)
     model.head_loss = torch.compile(model.head_loss, dynamic=False)
@@ -1512,11 +1647,20 @@ def stop_if_diverged(val_loss, step):
                         "learning rate too high for this configuration (--muon_lr, --embed_lr, "
                         "--head_lr, --scalar_lr)")
 
+def stop_signals():
+    """SIGTERM and SIGINT, and SIGHUP where it exists (what a closed ssh session sends) unless it is
+    ignored: under nohup a hang-up stays harmless."""
+    signums = [signal.SIGTERM, signal.SIGINT]
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
+        signums.append(hangup)
+    return signums
+
 class CleanStop(contextlib.AbstractContextManager):
-    """SIGTERM or SIGINT, while train() runs, sets a flag, and so does a log that cannot be written
-    (LOG_WRITE_FAILED, on rank 0). Every STOP_CHECK_EVERY steps the ranks all-reduce it on a CPU
-    group, and read the result at the next exchange: no host wait, no device sync, and all ranks
-    stop after the same step."""
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) while train() runs sets a flag, and so does a log
+    that cannot be written (LOG_WRITE_FAILED, on rank 0). Every STOP_CHECK_EVERY steps the ranks
+    all-reduce it on a CPU group, and read the result at the next exchange: no host wait, no device
+    sync, and all ranks stop after the same step."""
     def __init__(self, world_size, log):
         self.log = log
         self.received = 0
@@ -1525,7 +1669,7 @@ class CleanStop(contextlib.AbstractContextManager):
         if world_size > 1:
             self.group = dist.new_group(backend="gloo")
         self.previous = {}
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in stop_signals():
             self.previous[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame):
@@ -1533,6 +1677,10 @@ class CleanStop(contextlib.AbstractContextManager):
             self.received = signum
 
     def __exit__(self, kind, error, traceback):
+        # A rank failing among several keeps the flag as its handler while it writes its last lines:
+        # torchrun sends SIGTERM to every worker as soon as one has failed. (Its process ends next.)
+        if error is not None and self.group is not None:
+            return
         # a pending all-reduce ends with its group: every rank launched it
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
@@ -1554,30 +1702,42 @@ class CleanStop(contextlib.AbstractContextManager):
             return int(flag)
         return 0
 
+def resume_command(path, world_size):
+    """The command that goes on from checkpoint `path`, launched as this run was, to paste in the
+    folder this run was started from."""
+    script_and_options = f"{shlex.quote(os.path.relpath(__file__))} --resume {shlex.quote(path)}"
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return f"python {script_and_options}"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    nodes = world_size // per_node
+    if nodes == 1:
+        return f"torchrun --standalone --nproc_per_node={world_size} {script_and_options}"
+    # the rendezvous options of a multi-node launch are not known here
+    return (f"this run's torchrun command (--nnodes={nodes} --nproc_per_node={per_node} and its "
+            f"rendezvous options) on every node, with {script_and_options}; only this node has "
+            "the checkpoint: copy it to the same path on the others")
+
 def log_stop(log, stop_signal, step, saved, world_size):
     """The last line of the log and of stderr: which signal stopped the run, or the log's failure,
     and how to go on (from an earlier checkpoint where the stop's own could not be written)."""
     if not log.master:
         return
-    if world_size > 1:
-        launcher = f"torchrun --standalone --nproc_per_node={world_size}"
-    else:
-        launcher = "python"
     if saved:
-        how = f"resume with: {launcher} train_gpt.py --resume {saved}"
+        how = f"resume with: {resume_command(saved, world_size)}"
     elif log.unsaved_step == step and log.checkpoints:
         last_step, last = log.checkpoints[-1]
         how = (f"its checkpoint could not be written (see the warning above): from step "
-               f"{last_step}, resume with: {launcher} train_gpt.py --resume {last}")
+               f"{last_step}, resume with: {resume_command(last, world_size)}")
     elif log.unsaved_step == step:
         how = "its checkpoint could not be written (see the warning above), nor any before it"
     else:
         how = "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
     if log.failure:
-        log(f"error: {log.failure}: stopped after step {step}; {how}", console=sys.stderr)
-        return
-    name = signal.Signals(stop_signal).name
-    log(f"stopped by {name} after step {step}; {how}", console=sys.stderr)
+        line = f"error: {log.failure}: stopped after step {step}; {how}"
+    else:
+        line = f"stopped by {signal.Signals(stop_signal).name} after step {step}; {how}"
+    log(line, console=sys.stderr)
+    tell_launcher(line)
 
 def train_shards(args):
     """Names and token counts of the train shards ("synthetic": none, its stream is fixed by the
@@ -1740,11 +1900,21 @@ def parse_args(argv=None, resumed=None):
     namespace = parser.parse_args(argv)
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
+def last_words(line, console=True, own=True):
+    """A process's final error line: on stderr, in the error file torchrun gave it, and, if the error
+    is this rank's own (not one that every rank met), from a rank other than 0 into rank 0's log."""
+    if console:
+        to_console(line, sys.stderr)
+    tell_launcher(line)
+    if own and dist.is_initialized() and dist.get_rank() != 0:
+        post_to_rank_zero(f"rank {dist.get_rank()}: {line}")
+
 def main(argv=None):
     # before anything initialises CUDA: fewer fragmentation stalls as the window grows
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parse_args(argv)
     try:
+        check_launch_environment()
         checkpoint = None
         if args.resume:
             args, checkpoint = load_checkpoint(argv, args.resume)
@@ -1752,9 +1922,17 @@ def main(argv=None):
         check_hyperparameters(args)
         return train(args, checkpoint)
     except UserError as e:
-        if int(os.environ.get("RANK", 0)) == 0 or e.every_rank:
-            print(f"error: {e}", file=sys.stderr)
+        # Once a node (local rank 0), so that each node's console has it, a checkpoint missing on
+        # one node included; an error of one rank alone (every_rank) on that rank.
+        if e.every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            last_words(f"error: {e}", own=e.every_rank)
         return 1
+    except Exception as e:
+        # its traceback follows; the first line of the message (C++ errors add a stack) for the rest
+        first_line = next(iter(str(e).splitlines()), "")
+        last_words(f"error: unexpected {type(e).__name__}: {first_line} (its traceback is above)",
+                   console=False)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

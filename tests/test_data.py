@@ -242,7 +242,8 @@ def test_corrupt_shard_through_main(tmp_path, capsys, markov_shards):
 def test_more_processes_than_gpus_is_refused(capsys, monkeypatch, markov_shards):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # as under torchrun, which also sets TORCHELASTIC_RUN_ID
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     err = run_main(capsys, "--preset", "smoke", "--batch_size", "8192",
                    "--train_files", markov_shards[0], "--val_files", markov_shards[1])
     assert "8 processes" in err and "--nproc_per_node=2" in err

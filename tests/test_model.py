@@ -1,6 +1,7 @@
 """The model's shape facts and its step-0 loss."""
 import math
 
+import pytest
 import torch
 
 import train_gpt
@@ -69,7 +70,18 @@ def test_cpu_linear_rounds_like_a_bf16_matrix_product():
     torch.testing.assert_close(grads[1], ref_grads[1].float(), rtol=8e-3, atol=1e-5)
 
 
-def test_regional_compile_traces_four_block_forms_and_the_head(monkeypatch):
+@pytest.fixture
+def dynamo_config_restored(monkeypatch):
+    """compile_regions sets dynamo's graph limit for the whole process: put it back after the test."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(config, name, getattr(config, name))
+    return config
+
+
+def test_regional_compile_traces_four_block_forms_and_the_head(monkeypatch, dynamo_config_restored):
     import functools
 
     from torch._dynamo.testing import CompileCounter
@@ -105,3 +117,34 @@ def test_auto_options_are_on_with_cuda_and_off_on_a_cpu(monkeypatch):
         assert not GPT.from_args(args, cpu).fused_head_loss
         monkeypatch.setattr(train_gpt, "triton", None)  # as on macOS and Windows: its kernel needs triton
         assert not GPT.from_args(args, cuda).fused_head_loss
+
+
+def test_regional_compile_keeps_its_forms_compiled_and_never_falls_back_silently(dynamo_config_restored):
+    """Training and evaluation trace 8 block forms, dynamo's default limit of graphs per function, past which it
+    runs the function uncompiled without a word: compile_regions gives the limit headroom and makes a form past
+    it an error."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    with torch.device("meta"):
+        train_gpt.compile_regions(GPT(1024, 6, 2, 64))
+    counter = CompileCounter()
+    # one function, a new static shape per call: a new graph each time, 9 in all
+    add_one = torch.compile(lambda x: x + 1, backend=counter, dynamic=False)
+    for n in range(1, 10):
+        add_one(torch.zeros(n))
+    assert counter.frame_count == 9
+    assert dynamo_config_restored.fail_on_recompile_limit_hit
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(train_gpt.triton is None, reason="the fused head needs triton")
+def test_fused_head_auto_is_off_on_rocm_builds(monkeypatch):
+    """ROCm's GPUs are "cuda" devices too, but cannot build the kernel's PTX instruction."""
+    args = Hyperparameters(num_layers=6, num_heads=2, model_dim=64)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    with torch.device("meta"):
+        assert not GPT.from_args(args, cuda).fused_head_loss
+        args.fused_head_loss = "true"
+        assert GPT.from_args(args, cuda).fused_head_loss

@@ -128,7 +128,8 @@ def test_windows_that_pass_the_check_hold_a_block_at_every_step(start, end):
 ])
 def test_batch_sizes_that_do_not_divide_among_the_processes_are_refused(tmp_path, capsys, monkeypatch,
                                                                          world_size, argv, words):
-    monkeypatch.setenv("WORLD_SIZE", world_size)  # as under torchrun
+    monkeypatch.setenv("WORLD_SIZE", world_size)  # as under torchrun, which also sets TORCHELASTIC_RUN_ID
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     argv = ["--preset", "smoke", "--log_dir", str(tmp_path / "logs"), *argv]
     check_hyperparameters(parse_args(argv))
     assert train_gpt.main(argv) == 1

@@ -4,6 +4,7 @@ checkpoint that cannot continue the run is refused at start-up."""
 import hashlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -93,6 +94,40 @@ def test_sigint_without_checkpoint_options_says_how_to_get_one(markov_shards, tm
     assert capsys.readouterr().err.splitlines()[-1] == stop_line
     assert finished_log(tmp_path).read_text().splitlines()[-1] == stop_line
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # no checkpoint folder
+
+
+def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(markov_shards, tmp_path, capsys,
+                                                                          monkeypatch, one_thread):
+    """What a closing ssh session sends; the run folder's name needs quoting in the command."""
+    def hangup_not_handled(signum, frame):
+        raise AssertionError("SIGHUP reached the handler the run started with")
+
+    # the test's handler: by default SIGHUP would end pytest
+    previous = signal.signal(signal.SIGHUP, hangup_not_handled)
+    try:
+        stop_at(monkeypatch, 1, signal.SIGHUP)
+        log_dir = tmp_path / "Bob's runs"
+        code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4", "--val_loss_every", "0"))
+    finally:
+        restored = signal.signal(signal.SIGHUP, previous)
+    assert code == 128 + signal.SIGHUP and restored is hangup_not_handled
+    stop_line, _, command = capsys.readouterr().err.splitlines()[-1].partition("; resume with: ")
+    assert stop_line == "stopped by SIGHUP after step 1"
+    log = finished_log(log_dir)
+    checkpoint = log_dir / log.stem / "state_step000001.pt"
+    assert checkpoint.is_file()
+    script = os.path.relpath(REPO / "train_gpt.py")
+    assert shlex.split(command) == ["python", script, "--resume", str(checkpoint)]
+
+
+def test_under_nohup_a_hang_up_does_not_stop_the_run(markov_shards, tmp_path, monkeypatch, one_thread):
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        stop_at(monkeypatch, 1, signal.SIGHUP)
+        code = train_gpt.main(tiny(markov_shards, tmp_path, "--num_iterations", "2", "--val_loss_every", "0"))
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert code == 0 and sorted(val_losses(finished_log(tmp_path))) == [2]
 
 
 def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_across_process_counts(

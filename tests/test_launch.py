@@ -1,0 +1,309 @@
+"""How a run is launched, and how it ends beyond one process: torchrun's variables left in a shell, run.sh
+(with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`, on PATH), a rank that fails among
+several, the command printed to resume, a console that goes away, and nvidia-smi in the log."""
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import BACKGROUND, REPO, finished_log
+from test_resume import tiny
+from test_start_up import TINY_RUN
+
+import train_gpt
+
+# run.sh starts torchrun, not the trainer's own GPU check, where this torch sees a GPU
+needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")
+
+
+@pytest.mark.parametrize("leftovers", [
+    {"RANK": "1"}, {"WORLD_SIZE": "2"}, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"},
+    {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"},
+])
+def test_torchrun_variables_left_in_a_shell_are_one_line_naming_them(leftovers, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name, value in leftovers.items():
+        monkeypatch.setenv(name, value)
+    # RANK=1 alone used to train with no log and exit 0
+    assert train_gpt.main([*TINY_RUN, "--log_dir", str(tmp_path / "logs")]) == 1
+    err = capsys.readouterr().err
+    settings = " ".join(f"{name}={value}" for name, value in leftovers.items())
+    assert err.startswith(f"error: {settings} set in the environment, but this process was not started by torchrun")
+    assert f"`unset {' '.join(leftovers)}`" in err and "./run.sh or torchrun" in err and err.count("\n") == 1
+    assert not (tmp_path / "logs").exists()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for_the_second(tmp_path):
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    started = time.monotonic()
+    # options that suit two processes: without the check, rank 0 would wait gloo's 30 minutes for rank 1
+    two_processes = ["--preset", "smoke", "--batch_size", "256", "--max_device_batch_size", "128", "--val_tokens",
+                     "256", "--log_dir", str(tmp_path)]
+    result = subprocess.run([sys.executable, "train_gpt.py", *two_processes], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - started < 60
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    settings = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={env['MASTER_PORT']}"
+    assert result.stderr.startswith(f"error: {settings} set in the environment")
+
+
+# the first rank of each node, and only it, says that a checkpoint is missing: on several nodes only global rank 0's
+# node has the checkpoints, and a node without them says so on its own console
+@pytest.mark.parametrize("rank,local_rank,prints", [(2, 0, True), (3, 1, False), (0, 0, True)])
+def test_a_missing_resume_file_is_named_on_each_node(rank, local_rank, prints, tmp_path, capsys, monkeypatch):
+    launched = dict(TORCHELASTIC_RUN_ID="test", RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2)
+    for name, value in launched.items():
+        monkeypatch.setenv(name, str(value))
+    missing = tmp_path / "state_step000800.pt"
+    assert train_gpt.main(["--resume", str(missing), "--log_dir", str(tmp_path / "logs")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume {str(missing)!r} ") == prints and err.count("\n") == prints
+
+
+def test_the_resume_command_pastes_as_the_run_was_launched(tmp_path, monkeypatch):
+    path = str(tmp_path / "Bob's runs" / "state_step000400.pt")
+    script = os.path.relpath(REPO / "train_gpt.py")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert shlex.split(train_gpt.resume_command(path, 1)) == ["python", script, "--resume", path]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=1", script, "--resume", path]
+    assert shlex.split(train_gpt.resume_command(path, 1)) == torchrun
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert shlex.split(train_gpt.resume_command(path, 8))[2] == "--nproc_per_node=8"
+    # two nodes: no --standalone command, which would start two separate runs
+    text = train_gpt.resume_command(path, 16)
+    assert "--nnodes=2 --nproc_per_node=8" in text and "--standalone" not in text
+    assert f"{script} --resume {shlex.quote(path)}" in text and "copy it" in text
+
+
+def test_nvidia_smi_runs_once_a_run_with_a_time_limit(tmp_path, monkeypatch):
+    timeouts = []
+
+    def hanging_nvidia_smi(command, **kwargs):
+        timeouts.append(kwargs.get("timeout"))
+        raise subprocess.TimeoutExpired(command, kwargs.get("timeout"))
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(subprocess, "run", hanging_nvidia_smi)
+    args = train_gpt.Hyperparameters(log_dir=str(tmp_path))
+    loader = SimpleNamespace(files=["shard.bin"])
+    for master in (False, True):  # rank 1, then rank 0
+        with train_gpt.RunLog(args, master) as log:
+            log.header(args, 2, torch.device("cpu"), loader, loader, 0.5, "")
+    assert len(timeouts) == 1 and 0 < timeouts[0] <= 60
+    lines = finished_log(tmp_path).read_text().splitlines()
+    assert any(line.startswith("nvidia-smi: no table (TimeoutExpired: ") for line in lines)
+    assert "hyperparameters:" in lines  # the rest of the header follows
+
+
+# run.sh -----------------------------------------------------------------------------------------------------
+
+def stand_in(folder, name, code):
+    """An executable `name` in folder: Python code run by this interpreter."""
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(f"#!{sys.executable}\n{code}")
+    (folder / name).chmod(0o755)
+
+
+# nvidia-smi listing two GPUs (-L for run.sh, --query-gpu for the trainer), or not answering
+NVIDIA_SMI = """import sys
+if sys.argv[1:] == ["-L"]:
+    print("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\\nGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)")
+elif sys.argv[1:2] == ["--query-gpu=name,driver_version"]:
+    print("NVIDIA H100 80GB HBM3, 535.104.05\\n" * 2, end="")
+else:
+    sys.exit(9)
+"""
+
+# python for run.sh: asked for the GPU count, $GPUS (without importing torch: quicker); otherwise this
+# interpreter, with train_gpt.py replaced by $RUN_SH_SCRIPT if set (a worker that fails or stops)
+PYTHON = """import os, shlex, sys
+if "torch.cuda.device_count()" in " ".join(sys.argv):
+    print(os.environ["GPUS"])
+    sys.exit()
+args = []
+for arg in sys.argv[1:]:
+    script = os.environ.get("RUN_SH_SCRIPT")
+    args += shlex.split(script) if script and arg == "train_gpt.py" else [arg]
+os.execv(sys.executable, [sys.executable, *args])
+"""
+
+
+def run_sh_env(bin_folder, gpus, **extra):
+    """run.sh's environment: the stand-in python, with `gpus` GPUs, first on PATH."""
+    stand_in(bin_folder, "python", PYTHON)
+    path = os.pathsep.join([str(bin_folder), os.environ["PATH"]])
+    env = dict(os.environ, PATH=path, GPUS=str(gpus), OMP_NUM_THREADS="1", **extra)
+    env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+    return env
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("nvidia_smi,visible,says", [
+    (NVIDIA_SMI, None, "trainer"),  # GPUs this torch cannot use: the trainer's line names them and the fix
+    ("import sys; sys.exit(9)", None, "run.sh"),  # nvidia-smi does not answer: no GPU
+    (NVIDIA_SMI, "", "run.sh"),  # CUDA_VISIBLE_DEVICES="": the GPUs are hidden on purpose
+], ids=["gpus_listed", "no_answer", "gpus_hidden"])
+def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visible, says, tmp_path):
+    stand_in(tmp_path / "bin", "nvidia-smi", nvidia_smi)
+    # torch sees no GPU
+    env = run_sh_env(tmp_path / "bin", 0)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    result = subprocess.run(["bash", str(REPO / "run.sh"), "--log_dir", str(tmp_path / "logs")], env=env,
+                            capture_output=True, text=True, timeout=120)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    if says == "trainer":
+        assert lines[-1].startswith(f"error: torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU "
+                                    "only) cannot use the 2 x NVIDIA H100 80GB HBM3 nvidia-smi lists")
+        assert "no CUDA GPU visible" not in result.stderr
+    else:
+        assert lines[-2:] == ["run.sh: no CUDA GPU visible. For a CPU smoke run (under a minute), see README.md:",
+                              "  python train_gpt.py --preset smoke"]
+    assert not (tmp_path / "logs").exists()
+
+
+def failing_rank_under_run_sh(request):
+    """run.sh on two stand-in GPUs, rank 1 out of memory in train step 1 (tests/fail_worker.py); started at
+    session start, as it takes a while. Gives the log folder and the finished process."""
+    shards = request.getfixturevalue("markov_shards")
+    tmp = request.getfixturevalue("tmp_path_factory").mktemp("failing_rank")
+
+    def run():
+        worker = f"{shlex.quote(str(REPO / 'tests' / 'fail_worker.py'))} 1"
+        env = run_sh_env(tmp / "bin", 2, RUN_SH_SCRIPT=worker)
+        options = tiny(shards, tmp / "logs", "--val_loss_every", "0")
+        result = subprocess.run(["bash", str(REPO / "run.sh"), *options], env=env,
+                                capture_output=True, text=True, timeout=300)
+        return tmp / "logs", result
+    return BACKGROUND.once("failing_rank_under_run_sh", run)
+
+
+@needs_no_gpu
+@pytest.mark.background.with_args(failing_rank_under_run_sh)
+def test_under_run_sh_a_failing_rank_leaves_its_error_last_on_screen_and_in_rank_zeros_log(request):
+    log_dir, result = failing_rank_under_run_sh(request).result()
+    out_of_memory = ("error: out of GPU memory with micro-batches of 128 tokens: pass --max_device_batch_size 64 "
+                     "(half usually fits; the global batch and the maths stay the same)")
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == out_of_memory, result.stderr[-3000:]
+    # torchrun's own traceback and report are gone; rank 0's traceback (its all-gather lost its peer) stays
+    assert "ChildFailedError" not in result.stderr and "Root Cause" not in result.stderr
+    assert "torch/distributed/run.py\", line" not in result.stderr
+    # rank 0 printed nothing about it, but its log has the cause
+    assert f"rank 1: {out_of_memory}" in finished_log(log_dir).read_text().splitlines()
+
+
+# a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports how it started
+STOPPING_WORKER = """import os, signal, sys, time
+stops = []
+def on_signal(signum, frame):
+    stops.append(signum)
+hangups_ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+for signum in [signal.SIGTERM] + [signal.SIGHUP] * (not hangups_ignored):
+    signal.signal(signum, on_signal)
+print(os.environ["RANK"], hangups_ignored, os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), flush=True)
+while not stops:
+    time.sleep(0.01)
+if os.environ["RANK"] == "0":
+    print(f"stopped by {signal.Signals(stops[0]).name}", file=sys.stderr)
+sys.exit(128 + stops[0])
+"""
+
+
+@needs_no_gpu
+def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(tmp_path):
+    (tmp_path / "worker.py").write_text(STOPPING_WORKER)
+    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(tmp_path / "worker.py")))
+
+    def as_nohup_starts_it():
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    # a session of its own: the signals reach run.sh alone, and whatever is left is killed at the end
+    proc = subprocess.Popen(["bash", str(REPO / "run.sh")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=as_nohup_starts_it, start_new_session=True)
+    try:
+        started = sorted(proc.stdout.readline().split() for _ in range(2))
+        # hang-ups stay ignored in the workers; a stop gives them 300 s (torch 2.12 and later read it)
+        assert started == [["0", "True", "300"], ["1", "True", "300"]]
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.splitlines()[-1] == "stopped by SIGTERM" and "Traceback" not in err
+
+
+# a console that goes away ----------------------------------------------------------------------------------
+
+def run_with_stdout_closed_early(request):
+    """The trainer with its stdout into a pipe closed after the first line; started at session start."""
+    shards = request.getfixturevalue("markov_shards")
+    log_dir = request.getfixturevalue("tmp_path_factory").mktemp("closed_console")
+
+    def run():
+        args = [*TINY_RUN, "--train_files", shards[0], "--val_files", shards[1], "--log_dir", str(log_dir)]
+        proc = subprocess.Popen([sys.executable, "train_gpt.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read()
+        return log_dir, first, proc.wait(timeout=300), err
+    return BACKGROUND.once("closed_console", run)
+
+
+@pytest.mark.background.with_args(run_with_stdout_closed_early)
+def test_a_console_that_goes_away_does_not_end_the_run(request):
+    log_dir, first, code, err = run_with_stdout_closed_early(request).result()
+    log = finished_log(log_dir)
+    assert first == f"logging to {log}\n"
+    assert code == 0 and "Error" not in err and "Exception" not in err, err[-3000:]
+    lines = log.read_text().splitlines()
+    assert lines[-1].startswith("peak memory consumption: ") and "step:1/1 val_loss:" in lines[-2]
+
+
+def test_once_the_console_has_gone_any_later_print_to_it_goes_nowhere():
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as console:
+        train_gpt.to_console("the first line that finds no reader", console)
+        # anyone's print, not only the trainer's: Python's own flush at exit is one
+        print("a later line", file=console, flush=True)
+
+
+def test_rank_zero_logs_another_ranks_last_line_while_its_own_main_thread_is_stuck(monkeypatch):
+    """As torchrun's store would carry it; here this test's own store, and a log that is a list."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    launched = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_RUN_ID="test")
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    lines = []
+    peers = train_gpt.PeerErrors(lambda line, console: lines.append(line))
+    train_gpt.post_to_rank_zero("rank 3: error: out of GPU memory")
+    # this thread only waits, as rank 0's would in a collective with a dead rank: the watch writes the line
+    deadline = time.monotonic() + 10
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    peers.close(failed=False)
+    assert lines == ["rank 3: error: out of GPU memory"]
