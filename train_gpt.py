@@ -403,7 +403,8 @@ class GPT(nn.Module):
 
     def forward(self, inputs, targets, window_blocks):
         """inputs: one packed sequence of token ids (all documents of a micro-batch, each led by
-        EOT); returns the mean cross-entropy of predicting targets."""
+        EOT); returns the mean cross-entropy of predicting targets or, with targets None, the
+        softcapped logits, (len(inputs), vocab) in fp32."""
         assert inputs.ndim == 1, "one packed sequence per device"
         build_mask = build_block_mask if inputs.is_cuda else build_dense_mask
         mask = build_mask(inputs, window_blocks)
@@ -421,15 +422,21 @@ class GPT(nn.Module):
             x = block(x, value_embed, x0, mask)
             if i < half:
                 skips.append(x)
+        # evaluation and sampling (evals/); training never takes this branch
+        if targets is None:
+            return self.logits(norm(x)[0]).float()
         return self.head_loss(norm(x)[0], targets)
+
+    def logits(self, x):
+        """The head's logits, softcapped into (-15, 15)."""
+        # logit softcap (as in Gemma 2): tanh by @Grad62304977, lowered from 30 to 15 by @KoszarskyB
+        return 15 * torch.tanh(self.lm_head(x) / 15)
 
     def head_loss(self, x, targets):
         if self.fused_head_loss:
             # the same maths, the softcap, loss and gradient in one kernel (below the fence)
             return fused_head_loss(x, self.lm_head.weight, targets, self.head_chunk_rows)
-        # logit softcap (as in Gemma 2): tanh by @Grad62304977, lowered from 30 to 15 by @KoszarskyB
-        logits = 15 * torch.tanh(self.lm_head(x) / 15)
-        return F.cross_entropy(logits.float(), targets)
+        return F.cross_entropy(self.logits(x).float(), targets)
 
 # --------------------------------------------------------------------------------------------------
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
