@@ -1,1 +1,1 @@
-"""Tools that look at what a run's model is worth: hellaswag.py scores a checkpoint, sample.py writes text."""
+"""What a run's model is worth: hellaswag.py scores a checkpoint, sample.py writes text with it."""

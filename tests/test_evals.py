@@ -1,7 +1,7 @@
-"""evals/: HellaSwag's packed scorer against each candidate scored alone in float64, greedy sampling against the
-argmax of full forwards, the data download against a stand-in server on 127.0.0.1, runs on a real smoke run's
-checkpoint and in 2 processes, and the one-line errors. Tokenizers of our own stand in for GPT-2's, so that only
-the run as users make it needs GPT-2's ranks file."""
+"""evals/: HellaSwag's packed scorer against each candidate scored alone in float64, greedy sampling
+against the argmax of full forwards, the download against a stand-in server on 127.0.0.1, a real
+smoke run's checkpoint, 2 processes, the trainer's --hellaswag, and the one-line errors. Tokenizers
+of our own stand in for GPT-2's: only the run as users make it needs GPT-2's ranks file."""
 import http.server
 import json
 import os
@@ -16,7 +16,7 @@ import tiktoken
 import torch
 
 import train_gpt
-from conftest import BACKGROUND, REPO, smoke_marked
+from conftest import BACKGROUND, REPO, finished_log, smoke_marked
 from evals import common, hellaswag, sample
 
 RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
@@ -25,16 +25,16 @@ CPU = torch.device("cpu")
 EOT = train_gpt.EOT
 SPECIAL = {"<|endoftext|>": EOT}
 # a token per byte (ids 0-255), and 50256
-BYTES = tiktoken.Encoding("bytes", pat_str=r"[\s\S]", mergeable_ranks={bytes([i]): i for i in range(256)},
-                          special_tokens=SPECIAL)
-# GPT-2's ids, every one of which decodes, as a model may draw any: bytes, then 50,000 byte pairs, then 50256
-PAIRS = tiktoken.Encoding("pairs", pat_str=r"[\s\S]+", special_tokens=SPECIAL, mergeable_ranks={
-    bytes(p): i for i, p in enumerate([[b] for b in range(256)] + [[a, b] for a in range(196) for b in range(256)])
-    if i < EOT})
+BYTES = tiktoken.Encoding("bytes", pat_str=r"[\s\S]", special_tokens=SPECIAL,
+                          mergeable_ranks={bytes([i]): i for i in range(256)})
+# GPT-2's 50,257 ids, every one of which decodes (a model may draw any): bytes, byte pairs, 50256
+PAIRS_LIST = [[b] for b in range(256)] + [[a, b] for a in range(196) for b in range(256)]
+PAIRS = tiktoken.Encoding("pairs", pat_str=r"[\s\S]+", special_tokens=SPECIAL,
+                          mergeable_ranks={bytes(p): i for i, p in enumerate(PAIRS_LIST[:EOT])})
 
 
 def tiny_model(dtype=torch.float64, seed=0):
-    """6 blocks of width 32, every matrix random (the head and the output projections start at zero)."""
+    """6 blocks of width 32, every matrix random (the head and the projections start at zero)."""
     torch.manual_seed(seed)
     model = train_gpt.GPT(50304, 6, 2, 32, bf16_embeds=False)
     with torch.no_grad():
@@ -45,7 +45,7 @@ def tiny_model(dtype=torch.float64, seed=0):
 
 
 def write_checkpoint(path, model):
-    """The two entries of the trainer's checkpoints the tools read: the weights and the options."""
+    """The entries of the trainer's checkpoints that the tools read: the weights and the options."""
     options = train_gpt.Hyperparameters(num_layers=6, num_heads=2, model_dim=32, bf16_embeds=False)
     torch.save(dict(step=1, model=model.state_dict(), args=asdict(options)), path)
     return path
@@ -56,31 +56,45 @@ def text(rng, low, high):
 
 
 def random_examples(seed, count, long_every=0):
-    """HellaSwag-shaped examples; every long_every-th with a context of 150 to 200 bytes (tokens, here)."""
+    """HellaSwag-shaped examples; every long_every-th with a context of 150 to 200 characters."""
     rng = random.Random(seed)
-    return [(text(rng, 150, 200) if long_every and i % long_every == 0 else text(rng, 5, 60),
-             [text(rng, 1, 30) for _ in range(4)], rng.randrange(4)) for i in range(count)]
+    examples = []
+    for i in range(count):
+        context = text(rng, 150, 200) if long_every and i % long_every == 0 else text(rng, 5, 60)
+        examples.append((context, [text(rng, 1, 30) for _ in range(4)], rng.randrange(4)))
+    return examples
 
 
 def write_jsonl(path, examples):
-    path.write_text("".join(json.dumps(dict(ctx=c, endings=e, label=label)) + "\n" for c, e, label in examples))
+    lines = [json.dumps(dict(ctx=c, endings=e, label=label)) + "\n" for c, e, label in examples]
+    path.write_text("".join(lines))
     return path
 
 
 @torch.no_grad()
 def score_alone(model, candidate):
-    """The loss over the ending, from one forward over the candidate alone, unpadded, with no window at all."""
+    """The loss over the ending, from a forward over the candidate alone: unpadded, no window."""
     tokens, start = candidate
     x = torch.tensor(tokens)
     logits = model(x.int(), None, torch.tensor(10 ** 6, dtype=torch.int32)).double()
     return -logits.log_softmax(-1)[torch.arange(start - 1, len(x) - 1), x[start:]].sum().item()
 
 
-# --- HellaSwag: the scorer --------------------------------------------------------------------------
+def reference_counts(model, examples, tokenizer):
+    """(by mean, by sum) from each candidate scored alone, in float64."""
+    rendered = hellaswag.render(examples, tokenizer)
+    candidates = [c for example in rendered for c in example]
+    sums = torch.tensor([score_alone(model, c) for c in candidates], dtype=torch.float64)
+    counts = torch.tensor([len(tokens) - start for tokens, start in candidates])
+    labels = [label for *_, label in examples]
+    return hellaswag.correct_counts(rendered, labels, sums, counts)
+
+
+# --- HellaSwag: the scorer ------------------------------------------------------------------------
 
 def test_packing_keeps_each_document_within_the_window_and_the_sequence():
-    # 100 at 100 would span blocks 0-1 (window 1): it starts at 128; 60 at 228 would span 1-2: at 256; 120 at
-    # 316 would span 2-3, and at 384 end past the sequence's 384 tokens: the next sequence
+    # window 1: 100 at 100 would span blocks 0-1, so it starts at 128; 60 at 228 would span 1-2: at
+    # 256; 120 at 316 would span 2-3, and at 384 it would end past the sequence: the next sequence
     assert hellaswag.pack([100, 100, 60, 120], 384, 1) == [(0, 0), (0, 128), (0, 256), (1, 0)]
     assert hellaswag.pack([100, 100, 60], 512, 2) == [(0, 0), (0, 100), (0, 200)]
 
@@ -89,19 +103,20 @@ def test_packed_scores_equal_each_candidate_scored_alone_in_float64():
     examples = random_examples(seed=5, count=4, long_every=4)
     rendered = hellaswag.render(examples, BYTES)
     candidates = [c for example in rendered for c in example]
-    # in fp32, as checkpoints are scored; a trained window of 1 block, which the long candidates (151 to 232
-    # tokens) widen to 2
-    sums, counts, sequences, tokens, window = hellaswag.score(tiny_model(torch.float32), candidates, 1, CPU,
-                                                              sequence_length=768)
+    # in fp32, as checkpoints are scored; a trained window of 1 block, which the long candidates
+    # (151 to 232 tokens) widen to 2
+    model = tiny_model(torch.float32)
+    sums, counts, sequences, tokens, window = hellaswag.score(model, candidates, 1, CPU, 768)
     lengths = [len(t) for t, _ in candidates]
     places = hellaswag.pack(lengths, 768, 2)
     ends = [offset + n for (_, offset), n in zip(places, lengths)]
-    aligned = [b for a, b in zip(places, places[1:]) if b[1] and b[1] != ends[places.index(a)]]
-    assert window == 2 and sequences > 1 and aligned  # widened, several sequences, some moved to a block start
-    assert tokens == sum(lengths) and counts.tolist() == [len(t) - start for t, start in candidates]
+    moved = [b for a, b, end in zip(places, places[1:], ends) if b[1] and b[1] != end]
+    # widened, in several sequences, some candidates moved to a block's start
+    assert window == 2 and sequences > 1 and moved
+    assert tokens == sum(lengths) and counts.tolist() == [len(t) - s for t, s in candidates]
     in_float64 = tiny_model()
     reference = torch.tensor([score_alone(in_float64, c) for c in candidates], dtype=torch.float64)
-    # the same weights in float64 (whose attention and rotary still run in fp32): 1.2e-7 relative measured
+    # the same weights in float64 (whose attention and rotary still run in fp32): 1.2e-7 measured
     torch.testing.assert_close(sums, reference, rtol=1e-6, atol=0)
     # labels: the lowest mean, so acc_norm is 1 and acc the share where the lowest sum agrees
     means = (reference / counts).view(-1, 4)
@@ -113,7 +128,8 @@ def test_packed_scores_equal_each_candidate_scored_alone_in_float64():
 
 def test_logits_are_what_the_loss_is_computed_from():
     torch.manual_seed(0)
-    model = train_gpt.GPT(50304, 6, 2, 32)  # bf16 embeddings, as trained
+    # bf16 embeddings, as trained
+    model = train_gpt.GPT(50304, 6, 2, 32)
     with torch.no_grad():
         model.lm_head.weight.normal_()
     x = torch.randint(0, 50257, (129,))
@@ -121,21 +137,26 @@ def test_logits_are_what_the_loss_is_computed_from():
     with torch.no_grad():
         logits = model(x[:-1].int(), None, window)
         loss = model(x[:-1].int(), x[1:], window)
-    assert logits.shape == (128, 50304) and logits.dtype == torch.float32 and logits.abs().max() <= 15
+    assert logits.shape == (128, 50304) and logits.dtype == torch.float32
+    assert logits.abs().max() <= 15
     assert torch.nn.functional.cross_entropy(logits, x[1:]) == loss
 
 
-# --- sampling ---------------------------------------------------------------------------------------
+# --- sampling -------------------------------------------------------------------------------------
 
 def test_greedy_continuation_is_the_argmax_of_full_forwards_over_the_tokenizer_ids():
     model = tiny_model(torch.float32)
     with torch.no_grad():
-        model.lm_head.weight[50257:] *= 3  # rows that only pad the head: likelier, never to be drawn
+        # rows that only pad the head: likelier, and never to be drawn
+        model.lm_head.weight[50257:] *= 3
     prompt = BYTES.encode_ordinary(text(random.Random(2), 124, 124))
-    tokens, padding_won = [EOT, *prompt], False
+    tokens = [EOT, *prompt]
+    padding_won = False
     with torch.no_grad():
-        for _ in range(6):  # from 125 tokens to 131: across a block boundary
-            logits = model(torch.tensor(tokens).int(), None, torch.tensor(2, dtype=torch.int32))[-1]
+        # from 125 tokens to 131: across a block boundary
+        for _ in range(6):
+            window = torch.tensor(2, dtype=torch.int32)
+            logits = model(torch.tensor(tokens).int(), None, window)[-1]
             padding_won |= int(logits.argmax()) >= 50257
             tokens.append(int(logits[:50257].argmax()))
     assert padding_won
@@ -150,13 +171,13 @@ def test_sampling_draws_tokenizer_ids_reproducibly_and_top_k_1_is_greedy():
 
     def draw(seed, **options):
         generator = torch.Generator().manual_seed(seed)
-        return sample.generate(model, prompt, 4, 1, BYTES.n_vocab, generator=generator, **options)[3:]
+        return sample.generate(model, prompt, 4, 1, BYTES.n_vocab, generator=generator, **options)
     hot = draw(0, temperature=5.0)
     assert max(hot) < 50257 and hot == draw(0, temperature=5.0) and hot != draw(1, temperature=5.0)
-    assert draw(3, temperature=5.0, top_k=1) == sample.generate(model, prompt, 4, 1, BYTES.n_vocab)[3:]
+    assert draw(3, temperature=5.0, top_k=1) == sample.generate(model, prompt, 4, 1, BYTES.n_vocab)
 
 
-# --- the tools, as users call them ------------------------------------------------------------------
+# --- the tools, as users call them ----------------------------------------------------------------
 
 @pytest.fixture
 def own_tokenizer(monkeypatch):
@@ -165,17 +186,13 @@ def own_tokenizer(monkeypatch):
 
 
 def test_hellaswag_cli_prints_the_scores_last(tmp_path, capsys, own_tokenizer):
-    model = tiny_model(torch.float32)
-    checkpoint = write_checkpoint(tmp_path / "state.pt", model)
+    checkpoint = write_checkpoint(tmp_path / "state.pt", tiny_model(torch.float32))
     examples = random_examples(seed=3, count=5)
     data = write_jsonl(tmp_path / "val.jsonl", examples)
     assert hellaswag.main([str(checkpoint), "--data", str(data), "--limit", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    rendered = hellaswag.render(examples[:4], PAIRS)
-    reference = tiny_model(torch.float64)  # the same weights
-    sums = torch.tensor([score_alone(reference, c) for example in rendered for c in example])
-    by_mean, by_sum = hellaswag.correct_counts(rendered, [label for *_, label in examples[:4]], sums,
-                                               torch.tensor([len(t) - s for e in rendered for t, s in e]))
+    # the same weights in float64
+    by_mean, by_sum = reference_counts(tiny_model(), examples[:4], PAIRS)
     assert lines[-1] == f"hellaswag: acc_norm={by_mean / 4:.4f} acc={by_sum / 4:.4f} n=4"
     assert lines[-2].startswith("hellaswag: 4 examples in ") and " s on 1 x cpu " in lines[-2]
 
@@ -183,11 +200,12 @@ def test_hellaswag_cli_prints_the_scores_last(tmp_path, capsys, own_tokenizer):
 def test_sample_cli_prints_the_prompt_and_its_continuation(tmp_path, capsys, own_tokenizer):
     model = tiny_model(torch.float32)
     checkpoint = write_checkpoint(tmp_path / "state.pt", model)
-    prompt = "  Hello,\n world  "  # spaces and a newline at both ends: nothing stripped
+    # spaces and a newline at both ends: nothing stripped
+    prompt = "  Hello,\n world  "
     assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "5"]) == 0
     prompt_tokens = PAIRS.encode_ordinary(prompt)
-    continuation = sample.generate(model, prompt_tokens, 5, 14, PAIRS.n_vocab)[len(prompt_tokens):]
-    assert capsys.readouterr().out == prompt + PAIRS.decode(continuation) + "\n"
+    tokens = sample.generate(model, prompt_tokens, 5, 14, PAIRS.n_vocab)
+    assert capsys.readouterr().out == prompt + PAIRS.decode(tokens[len(prompt_tokens):]) + "\n"
 
 
 def error_line(capsys):
@@ -199,7 +217,8 @@ def error_line(capsys):
 @pytest.mark.parametrize("content,message", [
     (None, "cannot read it"),
     ("", "no examples"),
-    ('{"ctx": "a", "endings": ["b", "c"], "label": 0}\nnot json\n', "line 2: not a HellaSwag example"),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": 0}\nnot json\n',
+     "line 2: not a HellaSwag example"),
     ('{"ctx": "a", "endings": ["b", "c"]}\n', "line 1: not a HellaSwag example (KeyError: 'label')"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": ""}\n', "test split has no labels"),
     ('{"ctx": "a", "endings": "b", "label": 0}\n', "endings a list of at least 2 texts"),
@@ -208,6 +227,7 @@ def test_a_bad_data_file_is_one_error_line(tmp_path, capsys, own_tokenizer, cont
     data = tmp_path / "val.jsonl"
     if content is not None:
         data.write_text(content)
+    # the data is read before the checkpoint, which does not exist
     assert hellaswag.main([str(tmp_path / "not_read.pt"), "--data", str(data)]) == 1
     assert message in error_line(capsys)
 
@@ -215,8 +235,9 @@ def test_a_bad_data_file_is_one_error_line(tmp_path, capsys, own_tokenizer, cont
 def test_a_bad_checkpoint_is_one_error_line(tmp_path, capsys, own_tokenizer):
     good = write_checkpoint(tmp_path / "good.pt", tiny_model(torch.float32)).read_bytes()
     data = write_jsonl(tmp_path / "val.jsonl", random_examples(seed=0, count=1))
-    damaged = {"missing.pt": None, "text.pt": b"not a checkpoint", "truncated.pt": good[:len(good) // 2],
-               "flipped.pt": good[:len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1:]}
+    middle = len(good) // 2
+    damaged = {"missing.pt": None, "text.pt": b"not a checkpoint", "truncated.pt": good[:middle],
+               "flipped.pt": good[:middle] + bytes([good[middle] ^ 1]) + good[middle + 1:]}
     for name, content in damaged.items():
         if content is not None:
             (tmp_path / name).write_bytes(content)
@@ -228,14 +249,15 @@ def test_a_bad_checkpoint_is_one_error_line(tmp_path, capsys, own_tokenizer):
 
 def test_sampling_past_the_trained_window_is_refused(tmp_path, capsys, own_tokenizer):
     checkpoint = write_checkpoint(tmp_path / "state.pt", tiny_model(torch.float32))
-    prompt = "x" * 2 * 1791  # 1,791 tokens of "xx": with 50256, the whole window
+    # 1,791 tokens of "xx": with 50256, the whole window of the default options
+    prompt = "x" * 2 * 1791
     assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "0"]) == 0
     assert capsys.readouterr().out == prompt + "\n"
     assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "1"]) == 1
     assert "attention window of 1792 tokens" in error_line(capsys)
 
 
-# --- the download -----------------------------------------------------------------------------------
+# --- the download ---------------------------------------------------------------------------------
 
 class StandIn(http.server.ThreadingHTTPServer):
     """Serves `content` at every path, and counts the requests."""
@@ -254,7 +276,8 @@ class StandIn(http.server.ThreadingHTTPServer):
             def log_message(self, *args):
                 pass
         super().__init__(("127.0.0.1", 0), Handler)
-        self.content, self.requests = content, 0
+        self.content = content
+        self.requests = 0
         self.url = f"http://127.0.0.1:{self.server_port}/hellaswag_val.jsonl"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -262,9 +285,11 @@ class StandIn(http.server.ThreadingHTTPServer):
 def test_download_is_checked_saved_once_and_a_bad_one_leaves_nothing(tmp_path):
     good = write_jsonl(tmp_path / "source.jsonl", random_examples(seed=4, count=3)).read_bytes()
     blob_id = hellaswag.git_blob_id(good)
-    assert hellaswag.git_blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"  # `git hash-object`
+    # what `git hash-object` prints for a file holding "hello\n"
+    assert hellaswag.git_blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
     cached = tmp_path / "data" / "hellaswag" / "hellaswag_val.jsonl"
-    server = StandIn(good[:-1] + b"X")  # one byte changed, the size the same
+    # one byte changed, the size the same
+    server = StandIn(good[:-1] + b"X")
     with pytest.raises(common.EvalError, match="not HellaSwag's validation file .* nothing was saved"):
         hellaswag.download(cached, server.url, blob_id)
     assert not cached.parent.exists() or not any(cached.parent.iterdir())
@@ -272,13 +297,15 @@ def test_download_is_checked_saved_once_and_a_bad_one_leaves_nothing(tmp_path):
     assert hellaswag.download(cached, server.url, blob_id).read_bytes() == good
     server.shutdown()
     server.server_close()
-    assert hellaswag.download(cached, server.url, blob_id) == cached and server.requests == 2  # no network
-    cached.write_bytes(good[:100])  # a damaged cache: fetched again, here from a server that is down
+    # checked, and used without the network
+    assert hellaswag.download(cached, server.url, blob_id) == cached and server.requests == 2
+    # a damaged copy is fetched again, here from a server that is down
+    cached.write_bytes(good[:100])
     with pytest.raises(common.EvalError, match="cannot download HellaSwag .* pass --data FILE"):
         hellaswag.download(cached, server.url, blob_id)
 
 
-# --- real checkpoints and processes -------------------------------------------------------------------
+# --- real checkpoints, processes and the trainer --------------------------------------------------
 
 @smoke_marked(("short", 1))
 def test_tools_read_a_checkpoint_the_trainer_wrote(smoke_runs, tmp_path, capsys, own_tokenizer):
@@ -292,15 +319,15 @@ def test_tools_read_a_checkpoint_the_trainer_wrote(smoke_runs, tmp_path, capsys,
 
 
 def two_process_hellaswag(request):
-    """The CLI under torchrun in 2 processes, on a checkpoint and examples made here, in the main thread (the
-    model's initialisation draws from the global generator): started at session start, by the test's mark."""
+    """The tool under torchrun in 2 processes, on a checkpoint and examples made here in the main
+    thread (initialisation draws from the global generator); started at session start."""
     if "hellaswag_2proc" not in BACKGROUND.futures:
         folder = request.getfixturevalue("tmp_path_factory").mktemp("hellaswag_2proc")
         checkpoint = write_checkpoint(folder / "state.pt", tiny_model(torch.float32, seed=1))
         data = write_jsonl(folder / "val.jsonl", random_examples(seed=6, count=7))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   str(REPO / "evals" / "hellaswag.py"), str(checkpoint), "--data", str(data),
-                   "--tokenizer", str(RANKS)]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node=2", str(REPO / "evals" / "hellaswag.py"), str(checkpoint),
+                   "--data", str(data), "--tokenizer", str(RANKS)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         BACKGROUND.once("hellaswag_2proc", lambda: (checkpoint, data, subprocess.run(
             command, capture_output=True, text=True, timeout=600, env=env)))
@@ -314,6 +341,36 @@ def test_two_processes_score_as_one(request):
     assert run.returncode == 0, run.stderr[-3000:]
     model, options = common.load_model(checkpoint, CPU)
     rendered, labels = hellaswag.prepare(data, RANKS)
-    acc_norm, acc, n, _ = hellaswag.evaluate(model, rendered, labels, common.trained_window_blocks(options), CPU)
+    window_blocks = common.trained_window_blocks(options)
+    acc_norm, acc, n, _ = hellaswag.evaluate(model, rendered, labels, window_blocks, CPU)
     assert run.stdout.splitlines()[-1] == hellaswag.result_line(acc_norm, acc, n) and n == 7
     assert " on 2 x cpu " in run.stdout.splitlines()[-2]
+
+
+def test_trainer_scores_hellaswag_after_the_last_step(markov_shards, tmp_path, capsys,
+                                                      own_tokenizer):
+    examples = random_examples(seed=7, count=6)
+    data = write_jsonl(tmp_path / "val.jsonl", examples)
+    train, val, _ = markov_shards
+    # 6 blocks of width 16 in fp32, 2 steps of one 128-token sequence
+    options = ["--preset", "smoke", "--train_files", train, "--val_files", val, "--num_layers", "6",
+               "--model_dim", "16", "--num_heads", "1", "--bf16_embeds", "false",
+               "--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128",
+               "--max_device_batch_size", "128", "--val_tokens", "128", "--save_checkpoint", "true",
+               "--log_dir", str(tmp_path / "logs"), "--hellaswag", "true"]
+    assert train_gpt.main([*options, "--hellaswag_data", str(data)]) == 0
+    log = finished_log(tmp_path / "logs")
+    lines = log.read_text().splitlines()
+    # after the last val line, which holds the train time, and before the memory line
+    assert lines[-4].startswith("step:2/2 val_loss:") and lines[-1].startswith("peak memory")
+    assert lines[-3].startswith("hellaswag: 6 examples in ")
+    model, _ = common.load_model(next(log.parent.glob(f"{log.stem}/state_step000002.pt")), CPU)
+    by_mean, by_sum = reference_counts(model.double(), examples, PAIRS)
+    assert lines[-2] == f"hellaswag: acc_norm={by_mean / 6:.4f} acc={by_sum / 6:.4f} n=6"
+    # a file that cannot be read stops the run before anything is written
+    missing = str(tmp_path / "missing.jsonl")
+    capsys.readouterr()
+    assert train_gpt.main([*options, "--log_dir", str(tmp_path / "none"), "--hellaswag_data",
+                           missing]) == 1
+    assert f"--hellaswag_data {missing}: cannot read it" in error_line(capsys)
+    assert not (tmp_path / "none").exists()
