@@ -1061,6 +1061,8 @@ def check_hyperparameters(args):
         ("compile_cache", lambda v: not os.path.exists(v) or is_compile_cache(v),
          "a new file or a compile cache this trainer wrote (this file is not a compile cache and "
          "would be overwritten: pick another name)"),
+        ("hellaswag_data tokenizer", lambda v: v == "" or os.path.isfile(v),
+         "an existing file, or '' (downloaded once)"),
         ("seed", lambda v: 0 <= v < 2 ** 64, "from 0 to 2**64 - 1 (torch.manual_seed's range)"),
     ]
     for names, valid, allowed in rules:

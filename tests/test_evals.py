@@ -2,10 +2,13 @@
 against the argmax of full forwards, the download against a stand-in server on 127.0.0.1, a real
 smoke run's checkpoint, 2 processes, the trainer's --hellaswag, and the one-line errors. Tokenizers
 of our own stand in for GPT-2's: only the run as users make it needs GPT-2's ranks file."""
+import copy
+import functools
 import http.server
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -33,15 +36,22 @@ PAIRS = tiktoken.Encoding("pairs", pat_str=r"[\s\S]+", special_tokens=SPECIAL,
                           mergeable_ranks={bytes(p): i for i, p in enumerate(PAIRS_LIST[:EOT])})
 
 
-def tiny_model(dtype=torch.float64, seed=0):
-    """6 blocks of width 32, every matrix random (the head and the projections start at zero)."""
+@functools.cache
+def random_model(seed):
+    """6 blocks of width 32 in fp32, every matrix random (the head and the projections start at
+    zero); made once per seed (the 50,304-row tables take a while)."""
     torch.manual_seed(seed)
     model = train_gpt.GPT(50304, 6, 2, 32, bf16_embeds=False)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
                 p.normal_(0, p.size(1) ** -0.5)
-    return model.to(dtype).eval()
+    return model.eval()
+
+
+def tiny_model(dtype=torch.float64, seed=0):
+    """A copy of random_model(seed), in dtype: the same weights in fp32 and in float64."""
+    return copy.deepcopy(random_model(seed)).to(dtype)
 
 
 def write_checkpoint(path, model):
@@ -78,6 +88,12 @@ def score_alone(model, candidate):
     x = torch.tensor(tokens)
     logits = model(x.int(), None, torch.tensor(10 ** 6, dtype=torch.int32)).double()
     return -logits.log_softmax(-1)[torch.arange(start - 1, len(x) - 1), x[start:]].sum().item()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """tiny_model(torch.float32), saved as the trainer saves it."""
+    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "state.pt", tiny_model(torch.float32))
 
 
 def reference_counts(model, examples, tokenizer):
@@ -171,10 +187,10 @@ def test_sampling_draws_tokenizer_ids_reproducibly_and_top_k_1_is_greedy():
 
     def draw(seed, **options):
         generator = torch.Generator().manual_seed(seed)
-        return sample.generate(model, prompt, 4, 1, BYTES.n_vocab, generator=generator, **options)
+        return sample.generate(model, prompt, 3, 1, BYTES.n_vocab, generator=generator, **options)
     hot = draw(0, temperature=5.0)
     assert max(hot) < 50257 and hot == draw(0, temperature=5.0) and hot != draw(1, temperature=5.0)
-    assert draw(3, temperature=5.0, top_k=1) == sample.generate(model, prompt, 4, 1, BYTES.n_vocab)
+    assert draw(3, temperature=5.0, top_k=1) == sample.generate(model, prompt, 3, 1, BYTES.n_vocab)
 
 
 # --- the tools, as users call them ----------------------------------------------------------------
@@ -185,8 +201,7 @@ def own_tokenizer(monkeypatch):
     monkeypatch.setattr(common.gpt2_tokenizer, "gpt2_encoding", lambda tokenizer_file=None: PAIRS)
 
 
-def test_hellaswag_cli_prints_the_scores_last(tmp_path, capsys, own_tokenizer):
-    checkpoint = write_checkpoint(tmp_path / "state.pt", tiny_model(torch.float32))
+def test_hellaswag_cli_prints_the_scores_last(checkpoint, tmp_path, capsys, own_tokenizer):
     examples = random_examples(seed=3, count=5)
     data = write_jsonl(tmp_path / "val.jsonl", examples)
     assert hellaswag.main([str(checkpoint), "--data", str(data), "--limit", "4"]) == 0
@@ -197,9 +212,8 @@ def test_hellaswag_cli_prints_the_scores_last(tmp_path, capsys, own_tokenizer):
     assert lines[-2].startswith("hellaswag: 4 examples in ") and " s on 1 x cpu " in lines[-2]
 
 
-def test_sample_cli_prints_the_prompt_and_its_continuation(tmp_path, capsys, own_tokenizer):
+def test_sample_cli_prints_the_prompt_and_its_continuation(checkpoint, capsys, own_tokenizer):
     model = tiny_model(torch.float32)
-    checkpoint = write_checkpoint(tmp_path / "state.pt", model)
     # spaces and a newline at both ends: nothing stripped
     prompt = "  Hello,\n world  "
     assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "5"]) == 0
@@ -232,8 +246,8 @@ def test_a_bad_data_file_is_one_error_line(tmp_path, capsys, own_tokenizer, cont
     assert message in error_line(capsys)
 
 
-def test_a_bad_checkpoint_is_one_error_line(tmp_path, capsys, own_tokenizer):
-    good = write_checkpoint(tmp_path / "good.pt", tiny_model(torch.float32)).read_bytes()
+def test_a_bad_checkpoint_is_one_error_line(checkpoint, tmp_path, capsys, own_tokenizer):
+    good = checkpoint.read_bytes()
     data = write_jsonl(tmp_path / "val.jsonl", random_examples(seed=0, count=1))
     middle = len(good) // 2
     damaged = {"missing.pt": None, "text.pt": b"not a checkpoint", "truncated.pt": good[:middle],
@@ -247,8 +261,7 @@ def test_a_bad_checkpoint_is_one_error_line(tmp_path, capsys, own_tokenizer):
         assert name in error_line(capsys)
 
 
-def test_sampling_past_the_trained_window_is_refused(tmp_path, capsys, own_tokenizer):
-    checkpoint = write_checkpoint(tmp_path / "state.pt", tiny_model(torch.float32))
+def test_sampling_past_the_trained_window_is_refused(checkpoint, capsys, own_tokenizer):
     # 1,791 tokens of "xx": with 50256, the whole window of the default options
     prompt = "x" * 2 * 1791
     assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "0"]) == 0
@@ -319,32 +332,46 @@ def test_tools_read_a_checkpoint_the_trainer_wrote(smoke_runs, tmp_path, capsys,
 
 
 def two_process_hellaswag(request):
-    """The tool under torchrun in 2 processes, on a checkpoint and examples made here in the main
-    thread (initialisation draws from the global generator); started at session start."""
+    """The tool in 2 processes, started as torchrun starts them (its environment, without the
+    launcher), on a checkpoint and examples made here in the main thread (initialisation draws from
+    the global generator); started at session start."""
     if "hellaswag_2proc" not in BACKGROUND.futures:
         folder = request.getfixturevalue("tmp_path_factory").mktemp("hellaswag_2proc")
         checkpoint = write_checkpoint(folder / "state.pt", tiny_model(torch.float32, seed=1))
         data = write_jsonl(folder / "val.jsonl", random_examples(seed=6, count=7))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc_per_node=2", str(REPO / "evals" / "hellaswag.py"), str(checkpoint),
-                   "--data", str(data), "--tokenizer", str(RANKS)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        BACKGROUND.once("hellaswag_2proc", lambda: (checkpoint, data, subprocess.run(
-            command, capture_output=True, text=True, timeout=600, env=env)))
+        command = [sys.executable, str(REPO / "evals" / "hellaswag.py"), str(checkpoint), "--data",
+                   str(data), "--tokenizer", str(RANKS)]
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+
+        def run():
+            processes = []
+            for rank in range(2):
+                env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                           WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port))
+                processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.PIPE, text=True))
+            outputs = [process.communicate(timeout=600) for process in processes]
+            return checkpoint, data, [process.returncode for process in processes], outputs
+        BACKGROUND.once("hellaswag_2proc", run)
     return BACKGROUND.futures["hellaswag_2proc"]
 
 
 @needs_ranks
 @pytest.mark.background.with_args(two_process_hellaswag)
 def test_two_processes_score_as_one(request):
-    checkpoint, data, run = two_process_hellaswag(request).result()
-    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint, data, returncodes, outputs = two_process_hellaswag(request).result()
+    assert returncodes == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     model, options = common.load_model(checkpoint, CPU)
     rendered, labels = hellaswag.prepare(data, RANKS)
     window_blocks = common.trained_window_blocks(options)
     acc_norm, acc, n, _ = hellaswag.evaluate(model, rendered, labels, window_blocks, CPU)
-    assert run.stdout.splitlines()[-1] == hellaswag.result_line(acc_norm, acc, n) and n == 7
-    assert " on 2 x cpu " in run.stdout.splitlines()[-2]
+    # rank 0 prints the counts summed over both; rank 1 prints nothing
+    lines = outputs[0][0].splitlines()
+    assert lines[-1] == hellaswag.result_line(acc_norm, acc, n) and n == 7
+    assert " on 2 x cpu " in lines[-2] and outputs[1][0] == ""
 
 
 def test_trainer_scores_hellaswag_after_the_last_step(markov_shards, tmp_path, capsys,
@@ -367,10 +394,10 @@ def test_trainer_scores_hellaswag_after_the_last_step(markov_shards, tmp_path, c
     model, _ = common.load_model(next(log.parent.glob(f"{log.stem}/state_step000002.pt")), CPU)
     by_mean, by_sum = reference_counts(model.double(), examples, PAIRS)
     assert lines[-2] == f"hellaswag: acc_norm={by_mean / 6:.4f} acc={by_sum / 6:.4f} n=6"
-    # a file that cannot be read stops the run before anything is written
-    missing = str(tmp_path / "missing.jsonl")
+    # a file that is not HellaSwag's format stops the run before anything is written
+    (tmp_path / "bad.jsonl").write_text("not json\n")
     capsys.readouterr()
     assert train_gpt.main([*options, "--log_dir", str(tmp_path / "none"), "--hellaswag_data",
-                           missing]) == 1
-    assert f"--hellaswag_data {missing}: cannot read it" in error_line(capsys)
+                           str(tmp_path / "bad.jsonl")]) == 1
+    assert "error: --hellaswag: " in error_line(capsys)
     assert not (tmp_path / "none").exists()
