@@ -9,8 +9,9 @@ context (`ctx`), then those of " " + the ending. A candidate's score is the mode
 ending's tokens: `acc` counts the examples whose lowest summed loss is the labelled ending's,
 `acc_norm` those whose lowest mean loss per token is (completion style, as llm.c and modded-nanogpt
 score it). The candidates are packed into sequences of the model's own document-causal attention,
-which never crosses a document, so packing changes only the rounding; each lies within the
-attention window the run ended its training with, so none is cut.
+which never crosses a document, so packing changes only the rounding, which is fp32's: the model is
+scored with its bf16 tables cast to fp32. Each candidate lies within the attention window the run
+ended its training with, so none is cut.
 
 The data: HellaSwag's validation file (10,042 examples) from its authors' repository at a fixed
 commit, downloaded once into data/hellaswag/ and checked against the git blob id that commit gives
@@ -19,6 +20,7 @@ file in HellaSwag's format (ctx, endings, label; other fields are ignored). The 
 is `hellaswag: acc_norm=... acc=... n=...`; the line before it says how long the scoring took.
 """
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -102,8 +104,8 @@ def read_examples(path, limit=None, data_option="--data"):
     except OSError as e:
         raise EvalError(f"{data_option} {path}: cannot read it ({e.strerror})") from None
     except UnicodeDecodeError as e:
-        raise EvalError(f"{data_option} {path}: not UTF-8 text ({e.reason} at byte {e.start}), so not "
-                        "a JSON Lines file") from None
+        raise EvalError(f"{data_option} {path}: not UTF-8 text ({e.reason} at byte {e.start}), "
+                        "so not a JSON Lines file") from None
     if not examples:
         raise EvalError(f"{data_option} {path}: no examples in it")
     return examples
@@ -236,6 +238,9 @@ def evaluate(model, rendered, labels, window_blocks, device, rank=0, world_size=
     """(acc_norm, acc, n, a line on what was scored in what time). Rank r scores examples r,
     r + world_size, ...; the counts are summed over the ranks, so every rank must call it."""
     started = time.perf_counter()
+    # a copy in fp32 (the bf16 tables cast, so every activation is fp32): packing then changes only
+    # fp32 rounding, where bf16's, each candidate at another position, could flip a close call
+    model = copy.deepcopy(model).float()
     mine = slice(rank, None, world_size)
     candidates = [c for example in rendered[mine] for c in example]
     correct = torch.zeros(3, dtype=torch.int64)

@@ -23,7 +23,8 @@ from conftest import BACKGROUND, REPO, finished_log, smoke_marked
 from evals import common, hellaswag, sample
 
 RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
-needs_ranks = pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+needs_ranks = pytest.mark.skipif(not RANKS.exists(),
+                                 reason="needs ../shared/data/gpt2/gpt2.tiktoken")
 CPU = torch.device("cpu")
 EOT = train_gpt.EOT
 SPECIAL = {"<|endoftext|>": EOT}
@@ -233,7 +234,8 @@ def error_line(capsys):
     ("", "no examples"),
     ('{"ctx": "a", "endings": ["b", "c"], "label": 0}\nnot json\n',
      "line 2: not a HellaSwag example"),
-    ('{"ctx": "a", "endings": ["b", "c"]}\n', "line 1: not a HellaSwag example (KeyError: 'label')"),
+    ('{"ctx": "a", "endings": ["b", "c"]}\n',
+     "line 1: not a HellaSwag example (KeyError: 'label')"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": ""}\n', "test split has no labels"),
     ('{"ctx": "a", "endings": "b", "label": 0}\n', "endings a list of at least 2 texts"),
 ])
@@ -303,7 +305,8 @@ def test_download_is_checked_saved_once_and_a_bad_one_leaves_nothing(tmp_path):
     cached = tmp_path / "data" / "hellaswag" / "hellaswag_val.jsonl"
     # one byte changed, the size the same
     server = StandIn(good[:-1] + b"X")
-    with pytest.raises(common.EvalError, match="not HellaSwag's validation file .* nothing was saved"):
+    bad_download = "not HellaSwag's validation file .* nothing was saved"
+    with pytest.raises(common.EvalError, match=bad_download):
         hellaswag.download(cached, server.url, blob_id)
     assert not cached.parent.exists() or not any(cached.parent.iterdir())
     server.content = good
@@ -324,9 +327,14 @@ def test_download_is_checked_saved_once_and_a_bad_one_leaves_nothing(tmp_path):
 def test_tools_read_a_checkpoint_the_trainer_wrote(smoke_runs, tmp_path, capsys, own_tokenizer):
     log = smoke_runs.short(1)
     (checkpoint,) = log.parent.glob(f"{log.stem}/state_step*.pt")
-    data = write_jsonl(tmp_path / "val.jsonl", random_examples(seed=5, count=3))
+    examples = random_examples(seed=5, count=4)
+    data = write_jsonl(tmp_path / "val.jsonl", examples)
     assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].endswith(" n=3")
+    # its bf16 tables are scored in fp32: as in float64, but for 1e-7 of rounding
+    model, _ = common.load_model(checkpoint, CPU)
+    by_mean, by_sum = reference_counts(model.double(), examples, PAIRS)
+    result = f"hellaswag: acc_norm={by_mean / 4:.4f} acc={by_sum / 4:.4f} n=4"
+    assert capsys.readouterr().out.splitlines()[-1] == result
     assert sample.main([str(checkpoint), "--prompt", "Once upon", "--max_new_tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("Once upon")
 
@@ -379,12 +387,12 @@ def test_trainer_scores_hellaswag_after_the_last_step(markov_shards, tmp_path, c
     examples = random_examples(seed=7, count=6)
     data = write_jsonl(tmp_path / "val.jsonl", examples)
     train, val, _ = markov_shards
-    # 6 blocks of width 16 in fp32, 2 steps of one 128-token sequence
+    # 6 blocks of width 16, 2 steps of one 128-token sequence
     options = ["--preset", "smoke", "--train_files", train, "--val_files", val, "--num_layers", "6",
-               "--model_dim", "16", "--num_heads", "1", "--bf16_embeds", "false",
-               "--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128",
-               "--max_device_batch_size", "128", "--val_tokens", "128", "--save_checkpoint", "true",
-               "--log_dir", str(tmp_path / "logs"), "--hellaswag", "true"]
+               "--model_dim", "16", "--num_heads", "1", "--num_iterations", "2",
+               "--val_loss_every", "0", "--batch_size", "128", "--max_device_batch_size", "128",
+               "--val_tokens", "128", "--save_checkpoint", "true", "--log_dir",
+               str(tmp_path / "logs"), "--hellaswag", "true"]
     assert train_gpt.main([*options, "--hellaswag_data", str(data)]) == 0
     log = finished_log(tmp_path / "logs")
     lines = log.read_text().splitlines()

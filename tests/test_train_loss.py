@@ -12,7 +12,8 @@ TRAIN_LOSS = re.compile(r"^step:(\d+)/\d+ train_loss:(\d+\.\d{4}) ")
 
 
 def logged_train_losses(log):
-    return {int(m[1]): float(m[2]) for m in map(TRAIN_LOSS.match, log.read_text().splitlines()) if m}
+    matches = map(TRAIN_LOSS.match, log.read_text().splitlines())
+    return {int(m[1]): float(m[2]) for m in matches if m}
 
 
 def plain_loop_losses(args, steps):
