@@ -180,8 +180,8 @@ def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LEN
     places = pack(lengths, sequence_length, window_blocks)
     window = torch.tensor(window_blocks, dtype=torch.int32, device=device)
     sums = torch.zeros(len(candidates), dtype=torch.float64)
-    counts = [len(tokens) - start for tokens, start in candidates]
-    counts = torch.tensor(counts, dtype=torch.float64)
+    ending_lengths = [len(tokens) - start for tokens, start in candidates]
+    counts = torch.tensor(ending_lengths, dtype=torch.float64)
     members = [[] for _ in range(places[-1][0] + 1)]
     for i, (sequence, offset) in enumerate(places):
         members[sequence].append((i, offset))
