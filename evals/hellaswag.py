@@ -171,6 +171,9 @@ def pack(lengths, sequence_length, window_blocks):
 def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LENGTH):
     """Each candidate's summed loss over its ending and the ending's token count (float64, on the
     CPU), and how they were packed: (sums, counts, sequences, tokens, window in blocks)."""
+    # a copy in fp32 (the bf16 tables cast, so every activation is fp32): packing then changes only
+    # fp32 rounding, where bf16's, each candidate at another position, could flip a close call
+    model = copy.deepcopy(model).float()
     lengths = [len(tokens) for tokens, _ in candidates]
     blocks = math.ceil(max(lengths) / BLOCK_SIZE)
     # one longer than the trained window is scored whole, with a wider window: the others' scores
@@ -238,9 +241,6 @@ def evaluate(model, rendered, labels, window_blocks, device, rank=0, world_size=
     """(acc_norm, acc, n, a line on what was scored in what time). Rank r scores examples r,
     r + world_size, ...; the counts are summed over the ranks, so every rank must call it."""
     started = time.perf_counter()
-    # a copy in fp32 (the bf16 tables cast, so every activation is fp32): packing then changes only
-    # fp32 rounding, where bf16's, each candidate at another position, could flip a close call
-    model = copy.deepcopy(model).float()
     mine = slice(rank, None, world_size)
     candidates = [c for example in rendered[mine] for c in example]
     correct = torch.zeros(3, dtype=torch.int64)
