@@ -126,6 +126,12 @@ class Hyperparameters:
     val_loss_every: int = 125  # 0: only after the last step
     log_dir: str = "logs"
     seed: int = 0
+    # after the last step, outside train time: HellaSwag's 10,042 examples (evals/hellaswag.py,
+    # downloaded once), or those of a JSON Lines file in its format
+    hellaswag: bool = False
+    hellaswag_data: str = ""
+    # for --hellaswag offline: a tiktoken ranks file of GPT-2's BPE ("": tiktoken's, downloaded)
+    tokenizer: str = ""
 
     # checkpoints, in log_dir/<run id>/, resumable; a run keeps its last two
     save_checkpoint: bool = False  # at the end
@@ -408,7 +414,8 @@ class GPT(nn.Module):
 
     def forward(self, inputs, targets, window_blocks):
         """inputs: one packed sequence of token ids (all documents of a micro-batch, each led by
-        EOT); returns the mean cross-entropy of predicting targets."""
+        EOT); returns the mean cross-entropy of predicting targets or, with targets None, the
+        softcapped logits, (len(inputs), vocab) in fp32."""
         assert inputs.ndim == 1, "one packed sequence per device"
         build_mask = build_block_mask if inputs.is_cuda else build_dense_mask
         mask = build_mask(inputs, window_blocks)
@@ -426,15 +433,21 @@ class GPT(nn.Module):
             x = block(x, value_embed, x0, mask)
             if i < half:
                 skips.append(x)
+        # evaluation and sampling (evals/); training never takes this branch
+        if targets is None:
+            return self.logits(norm(x)[0]).float()
         return self.head_loss(norm(x)[0], targets)
+
+    def logits(self, x):
+        """The head's logits, softcapped into (-15, 15)."""
+        # logit softcap (as in Gemma 2): tanh by @Grad62304977, lowered from 30 to 15 by @KoszarskyB
+        return 15 * torch.tanh(self.lm_head(x) / 15)
 
     def head_loss(self, x, targets):
         if self.fused_head_loss:
             # the same maths, the softcap, loss and gradient in one kernel (below the fence)
             return fused_head_loss(x, self.lm_head.weight, targets, self.head_chunk_rows)
-        # logit softcap (as in Gemma 2): tanh by @Grad62304977, lowered from 30 to 15 by @KoszarskyB
-        logits = 15 * torch.tanh(self.lm_head(x) / 15)
-        return F.cross_entropy(logits.float(), targets)
+        return F.cross_entropy(self.logits(x).float(), targets)
 
 # --------------------------------------------------------------------------------------------------
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
@@ -704,11 +717,53 @@ def step_avg(train_time_ms, timed_steps):
     """Mean milliseconds per timed step (nan before the first)."""
     return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
+class TrainLossLog:
+    """The step lines, with each step's mean train loss over this rank's micro-batches (rank 0's in
+    the log), written without a host-device sync in the step: the device sums the losses and copies
+    the sum to pinned host memory behind an event; a line waits until its event has passed (asked
+    at each step, never waited for) or until the host waits for the device anyway."""
+    def __init__(self, log, device, train_steps, accum_steps):
+        self.log = log
+        self.device = device
+        self.train_steps = train_steps
+        self.accum_steps = accum_steps
+        self.sums = torch.zeros(train_steps, device=device)
+        self.host_sums = torch.zeros(train_steps, pin_memory=device.type == "cuda")
+        # (step, train time, step_avg, event) of the steps whose lines are not written yet
+        self.pending = []
+
+    def add(self, step, loss):
+        self.sums[step].add_(loss.detach())
+
+    def step_done(self, step, train_time_ms, average):
+        self.host_sums[step].copy_(self.sums[step], non_blocking=True)
+        # on the CPU the copy is done already
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((step, train_time_ms, average, event))
+        self.write(wait=False)
+
+    def write(self, wait):
+        """The lines whose losses have arrived, in order; all of them when wait (the host waits)."""
+        while self.pending:
+            step, train_time_ms, average, event = self.pending[0]
+            if event is not None and not (wait or event.query()):
+                return
+            if event is not None:
+                event.synchronize()
+            self.pending.pop(0)
+            loss = self.host_sums[step].item() / self.accum_steps
+            self.log(f"step:{step + 1}/{self.train_steps} train_loss:{loss:.4f} "
+                     f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
+
 def train(args, checkpoint=None):
     """One run: set-up, then validation, checkpoints, training, logging; returns the exit code."""
     rank, world_size, device = setup_device()
     micro_batch, accum_steps, val_batch = micro_batch_plan(args, world_size)
     train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
+    hellaswag_examples = load_hellaswag(args)
     compiled = switched_on(args.compile, device)
     stamp = compile_cache_stamp(args, world_size, device)
     cache_note = load_compile_cache_if_asked(args, compiled, stamp)
@@ -721,6 +776,7 @@ def train(args, checkpoint=None):
         model, train_model, adam, muon = build_model(args, device, world_size, compiled)
         start, timing = resume(checkpoint, log, model, adam, muon, train_loader)
         clock = TrainClock(device, start, *timing)
+        train_losses = TrainLossLog(log, device, args.num_iterations, accum_steps)
         # a device tensor changed in place: the compiled graph sees a new value, not a new constant
         window_blocks = torch.tensor(window_blocks_at(0, args), dtype=torch.int32, device=device)
         train_steps = args.num_iterations
@@ -744,6 +800,7 @@ def train(args, checkpoint=None):
             validate_now = (not stopping) and (last_step or scheduled_validation)
             if checkpoint_now or validate_now:
                 clock.pause()
+                train_losses.write(wait=True)
                 if checkpoint_now:
                     saved = save_checkpoint(args, log, step, model, adam, muon, train_loader,
                                             clock.ms, clock.timed_steps(step))
@@ -772,6 +829,7 @@ def train(args, checkpoint=None):
                     # each loss is its micro-batch's mean: divided by their number, the summed
                     # gradients are the mean over the step's batch, whatever the process count
                     (loss / accum_steps).backward()
+                train_losses.add(step, loss)
             for group in (*adam.param_groups, *muon.param_groups):
                 group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
             for group in muon.param_groups:
@@ -783,12 +841,15 @@ def train(args, checkpoint=None):
             # --------------- LOGGING ---------------
             approx_ms = clock.elapsed_ms()
             average = step_avg(approx_ms, clock.timed_steps(step + 1))
-            log(f"step:{step + 1}/{train_steps} train_time:{approx_ms:.0f}ms "
-                f"step_avg:{average:.2f}ms")
+            train_losses.step_done(step, approx_ms, average)
             # all has compiled now: evaluation at step 0, the model and the optimisers in step 1
             if step == start:
                 synchronize(device)
+                train_losses.write(wait=True)
                 log(startup_report(args, compiled, stamp, master, step + 1))
+        train_losses.write(wait=True)
+        if hellaswag_examples and not stopping:
+            run_hellaswag(hellaswag_examples, args, log, model, device, rank, world_size)
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
         if stopping or log.failure:
             log_stop(log, stop_signal, step, saved, world_size)
@@ -1014,6 +1075,8 @@ def check_hyperparameters(args):
         ("compile_cache", lambda v: not os.path.exists(v) or is_compile_cache(v),
          "a new file or a compile cache this trainer wrote (this file is not a compile cache and "
          "would be overwritten: pick another name)"),
+        ("hellaswag_data tokenizer", lambda v: v == "" or os.path.isfile(v),
+         "an existing file, or '' (downloaded once)"),
         ("seed", lambda v: 0 <= v < 2 ** 64, "from 0 to 2**64 - 1 (torch.manual_seed's range)"),
     ]
     for names, valid, allowed in rules:
@@ -1875,6 +1938,32 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
     seconds = time.perf_counter() - started
     log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
     return path
+
+# --------------------------------------------------------------------------------------------------
+# HellaSwag after the last step (--hellaswag): evals/hellaswag.py, imported only when asked
+
+def load_hellaswag(args):
+    """With --hellaswag, its examples, read and tokenised now: a bad file or tokenizer fails
+    before anything is written, not after the run."""
+    if not args.hellaswag:
+        return None
+    from evals import hellaswag
+    try:
+        return hellaswag.prepare(args.hellaswag_data or None, args.tokenizer or None,
+                                 data_option="--hellaswag_data")
+    except hellaswag.EvalError as e:
+        raise UserError(f"--hellaswag: {e}") from None
+
+def run_hellaswag(examples, args, log, model, device, rank, world_size):
+    """The trained model's HellaSwag scores into the log, outside train time: each rank scores its
+    share of the examples with the window the training ended with."""
+    from evals import hellaswag
+    rendered, labels = examples
+    window_blocks = window_blocks_at(args.num_iterations, args)
+    scores = hellaswag.evaluate(model, rendered, labels, window_blocks, device, rank, world_size)
+    acc_norm, acc, n, details = scores
+    log(details)
+    log(hellaswag.result_line(acc_norm, acc, n))
 
 # --------------------------------------------------------------------------------------------------
 # Arguments and main

@@ -32,7 +32,11 @@ SEPARATOR = "=" * 100
 VAL_LINE = re.compile(
     r"^step:(\d+)/(\d+) val_loss:(\S+) train_time:(\d+)ms step_avg:(\S+)ms$"
 )
-TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(\S+)ms$")
+# The train loss is there in this trainer's logs and in the public records' earliest ones; record
+# 18 left it out.
+TRAIN_LINE = re.compile(
+    r"^step:(\d+)/(\d+) (?:train_loss:(\S+) )?train_time:(\d+)ms step_avg:(\S+)ms$"
+)
 PEAK_LINE = re.compile(r"^peak memory consumption: (\d+) MiB$")
 # When compiling, ", <s>s of it compiling (...)" and more follow; only the first figure is read.
 STARTUP_LINE = re.compile(r"^startup: (\d+(?:\.\d*)?)s from launch to the end of step 1\b")
@@ -55,6 +59,8 @@ class Run:
     steps_done: int  # last step seen
     val_loss: dict[int, float] = field(default_factory=dict)  # step -> val loss
     val_time_ms: dict[int, float] = field(default_factory=dict)  # step -> train_time
+    train_loss: dict[int, float] = field(default_factory=dict)  # step -> train loss, if logged
+    train_loss_time_ms: dict[int, float] = field(default_factory=dict)  # step -> train_time
     final_loss: float = math.nan
     train_time_ms: float = math.nan
     step_avg_ms: float = math.nan
@@ -153,6 +159,9 @@ def parse_log(path: str | Path) -> Run:
             run.val_time_ms[step] = float(val.group(4))
             if step == planned:  # a finished run's ms/step is the one on its last line
                 run.step_avg_ms = _float(val.group(5))
+        elif m.group(3) is not None:
+            run.train_loss[step] = _float(m.group(3))
+            run.train_loss_time_ms[step] = float(m.group(4))
 
     _check_finished(run, body)
     run.final_loss = run.val_loss[run.planned]
@@ -302,31 +311,50 @@ def summary_line(runs: list[Run], target: float) -> str:
 
 
 def plot_runs(runs: list[Run], target: float, out: Path, pyplot) -> None:
-    """Val loss against train time, one line per run, with the target as a dashed line."""
+    """Val loss against train time, one line with markers per run, and the train loss of every
+    step, where the log has it, as a thin line of the same colour; the target is dashed."""
     fig, ax = pyplot.subplots(figsize=(8, 5))
     for i, r in enumerate(runs, 1):
         steps = sorted(r.val_loss)
-        ax.plot(
+        (val_line,) = ax.plot(
             [r.val_time_ms[s] / 1000 for s in steps],
             [r.val_loss[s] for s in steps],
             marker="o",
             markersize=3,
-            label=f"run {i}: {r.path.name}",
+            label=f"run {i}: {r.path.name} (val)",
         )
+        if r.train_loss:
+            steps = sorted(r.train_loss)
+            ax.plot(
+                [r.train_loss_time_ms[s] / 1000 for s in steps],
+                [r.train_loss[s] for s in steps],
+                color=val_line.get_color(),
+                linewidth=0.7,
+                alpha=0.5,
+                label=f"run {i}: train",
+            )
     ax.axhline(
         target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}"
     )
-    # Step 0's loss (ln 50304 = 10.83) would flatten everything else: zoom on the later evals.
+    # Step 0's loss (ln 50304 = 10.83) would flatten everything else: zoom on the later evals,
+    # and on the train losses after the first of them.
+    first_eval = min((s for r in runs for s in r.val_loss if s > 0), default=0)
     later = [
         v for r in runs for s, v in r.val_loss.items() if s > 0 and math.isfinite(v)
+    ]
+    later += [
+        v
+        for r in runs
+        for s, v in r.train_loss.items()
+        if s >= first_eval and math.isfinite(v)
     ]
     if later:
         low, high = min(later + [target]), max(later)
         margin = 0.05 * (high - low) or 0.05
         ax.set_ylim(low - margin, high + margin)
-    ax.set_title("val loss against train time")
+    ax.set_title("loss against train time")
     ax.set_xlabel("train time (s)")
-    ax.set_ylabel("val loss")
+    ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -366,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "--plot",
         metavar="FILE.png",
         type=Path,
-        help="also plot val loss against train time (needs matplotlib)",
+        help="also plot val and train loss against train time (needs matplotlib)",
     )
     args = parser.parse_args(argv)
 

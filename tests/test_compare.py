@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_records_script, smoke_marked
+from conftest import LN_VOCAB, load_records_script, smoke_marked
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,13 +58,15 @@ def make_log(
     peak=31563,
     torch_version="2.11.0+cu128",
     startup=None,
+    train_loss=None,
 ):
     """Write a log in the trainer's format (records/README.md) and return its path.
 
     `val` maps step -> val loss; train lines are written for every step in between.
     `public=True` writes the public record logs' header: no "devices:" line and no
     hyperparameters, the GPUs only in nvidia-smi's table. `finished=False` stops after the
-    last val step given, as a killed run would.
+    last val step given, as a killed run would. `train_loss`, a function of the step, adds the
+    field `train_loss:` to the train lines, as this trainer and the earliest public records write.
     """
     sep = "=" * 100
     lines = [FAKE_SOURCE.rstrip("\n"), sep, "Running Python 3.11.7 (main) [GCC 12.2.0]"]
@@ -100,7 +102,8 @@ def make_log(
                 f"step:{step}/{planned} val_loss:{val[step]:.4f} {times(step)}"
             )
         if step < last:
-            lines.append(f"step:{step + 1}/{planned} {times(step + 1)}")
+            loss = "" if train_loss is None else f"train_loss:{train_loss(step + 1):.4f} "
+            lines.append(f"step:{step + 1}/{planned} {loss}{times(step + 1)}")
         if step == 0 and startup is not None:
             lines.append(f"startup: {startup}")
     if finished and last == planned and peak is not None:
@@ -174,6 +177,23 @@ def test_parse_public_log_takes_gpus_from_nvidia_smi(tmp_path):
     run = compare.parse_log(log)
     assert run.devices == "8 x NVIDIA H100 80GB HBM3"
     assert run.final_loss == pytest.approx(3.279)
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_train_loss_is_read_where_the_log_has_it(tmp_path, public):
+    def loss(step):
+        return 10.8258 / step
+
+    with_loss = make_log(tmp_path / "a.txt", curve(3.3), 40, public=public, train_loss=loss)
+    without = compare.parse_log(make_log(tmp_path / "b.txt", curve(3.3), 40, public=public))
+    run = compare.parse_log(with_loss)
+    assert run.train_loss == {step: round(loss(step), 4) for step in range(1, 41)}
+    assert run.train_loss_time_ms[40] == run.val_time_ms[40] == 30 * 100
+    assert without.train_loss == {}
+    # the rest reads as before
+    read_before = ["planned", "steps_done", "val_loss", "final_loss", "train_time_ms"]
+    for name in [*read_before, "step_avg_ms", "peak_mib", "devices"]:
+        assert getattr(run, name) == getattr(without, name)
 
 
 def test_finished_without_peak_memory_line_is_still_finished(tmp_path):
@@ -426,6 +446,64 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert SUMMARY.match(out.strip().splitlines()[-1])
 
 
+class RecordingAxes:
+    """Stands in for matplotlib's axes: records what is drawn."""
+
+    def __init__(self):
+        self.lines = []
+
+    def plot(self, x, y, **style):
+        self.lines.append((list(x), list(y), style))
+        return [RecordingLine(len(self.lines))]
+
+    def __getattr__(self, name):  # titles, labels, limits, legend: not checked here
+        return lambda *args, **kwargs: None
+
+
+class RecordingLine:
+    def __init__(self, number):
+        self.number = number
+
+    def get_color(self):
+        return f"C{self.number}"
+
+
+class RecordingPyplot:
+    def __init__(self):
+        self.axes = RecordingAxes()
+
+    def subplots(self, **kwargs):
+        return RecordingFigure(), self.axes
+
+    def close(self, figure):
+        pass
+
+
+class RecordingFigure:
+    def tight_layout(self):
+        pass
+
+    def savefig(self, *args, **kwargs):
+        pass
+
+
+def test_plot_draws_val_loss_and_the_train_loss_of_every_step(tmp_path):
+    def loss(step):
+        return 3.3 + 7.5 / step
+
+    with_loss = compare.parse_log(make_log(tmp_path / "a.txt", curve(3.3), 40, train_loss=loss))
+    public = compare.parse_log(make_log(tmp_path / "b.txt", curve(3.31), 40, public=True))
+    pyplot = RecordingPyplot()
+    compare.plot_runs([with_loss, public], 3.28, tmp_path / "p.png", pyplot)
+    (val_x, val_y, _), (train_x, train_y, train_style), (public_x, public_y, _) = pyplot.axes.lines
+    assert val_y == [with_loss.val_loss[s] for s in sorted(with_loss.val_loss)]
+    assert train_y == [round(loss(s), 4) for s in range(1, 41)]
+    # train time in seconds
+    assert train_x == pytest.approx([max(s - 10, 0) * 0.1 for s in range(1, 41)])
+    assert train_style["color"] == "C1"  # the colour of its run's val line
+    assert public_y == [public.val_loss[s] for s in sorted(public.val_loss)]
+
+
 def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
     # A None entry in sys.modules makes "import matplotlib" raise ImportError.
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -446,6 +524,8 @@ def test_smoke_run_logs(smoke_logs, capsys):
     for log in smoke_logs:
         run = compare.parse_log(log)  # raises if unfinished
         assert run.steps_done == run.planned and math.isfinite(run.final_loss)
+        assert sorted(run.train_loss) == list(range(1, run.planned + 1))
+        assert run.train_loss[1] == round(LN_VOCAB, 4)  # the head starts at zero
         assert run.torch_version != "?" and run.devices != "?"
         assert run.startup_s is not None and run.startup_s > 0
     code, out, _ = run_main(capsys, *smoke_logs)

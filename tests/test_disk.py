@@ -136,7 +136,7 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_
         assert warning.endswith(f"; the last one, {folder / 'state_step000002.pt'}, stays")
         needed = float(re.search(r"it needs (\d+\.\d) MiB", warning)[1])
         assert abs(needed - size) < 0.01 * size, (needed, size)
-    assert "step:4/8 train_time:" in "\n".join(lines)  # trained on after the failed checkpoint
+    assert "step:4/8 train_loss:" in "\n".join(lines)  # trained on after the failed checkpoint
     stop_line = lines[-1]
     assert stop_line == err[-1] and stop_line.startswith("stopped by SIGTERM after step 4; its checkpoint could not")
     assert stop_line.endswith(f" --resume {folder / 'state_step000002.pt'}") and "from step 2" in stop_line
@@ -168,7 +168,7 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoi
     checkpoint = tmp_path / log.stem / "state_step000003.pt"  # written at the stop
     assert err.startswith(f"error: cannot write to the log {log} (No space left on device): stopped after step 3; ")
     assert err.rstrip().endswith(f" --resume {checkpoint}")
-    assert log.read_text().splitlines()[-1].startswith("step:2/8 train_time:")  # all it could write, kept
+    assert log.read_text().splitlines()[-1].startswith("step:2/8 train_loss:")  # all it could write, kept
     torch.load(checkpoint)
 
 

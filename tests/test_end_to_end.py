@@ -8,10 +8,13 @@ from conftest import LN_VOCAB, REPO, smoke_marked, unigram_entropy
 
 SOURCE = (REPO / "train_gpt.py").read_text()
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
-TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
+TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:(\d+\.\d{4}) train_time:(\d+)ms "
+                        r"step_avg:(nan|\d+\.\d{2})ms$")
 STARTUP_LINE = re.compile(r"^startup: (\d+\.\d)s from launch to the end of step \d+")  # the one line besides steps
-# and lines of options and tools: profile_run.py's report, checkpoints, a resumed run's notes, a stopped run's last line
-OPTION_LINES = ("profile: ", "checkpoint: ", "resumed from ", "warning: resumed ", "stopped by ")
+# and lines of options and tools: profile_run.py's report, checkpoints, a resumed run's notes, a stopped run's last
+# line, HellaSwag's scores
+OPTION_LINES = ("profile: ", "checkpoint: ", "resumed from ", "warning: resumed ", "stopped by ",
+                "hellaswag: ")
 
 
 def step_lines(log_path):
@@ -48,7 +51,7 @@ def test_log_has_source_header_and_parsable_step_lines(smoke_runs):
     assert steps == list(range(1, 5))
     # launch-to-first-step, once, right after step 1; it cannot exceed the whole run
     startup = [i for i, line in enumerate(lines) if STARTUP_LINE.match(line)]
-    assert len(startup) == 1 and lines[startup[0] - 1].startswith("step:1/4 train_time:")
+    assert len(startup) == 1 and lines[startup[0] - 1].startswith("step:1/4 train_loss:10.8258 ")
     assert 0 < float(STARTUP_LINE.match(lines[startup[0]])[1]) < 600
     assert sorted(val_losses(log)) == [0, 2, 4]
     # timing restarts at step 10: no timed steps yet, so step_avg is nan throughout this short run

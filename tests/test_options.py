@@ -43,9 +43,12 @@ BAD = {
     "seed": ["-1", str(2 ** 64)],  # -1: a ValueError from numpy once
     "checkpoint_every": ["-1"],
     "resume": ["{folder}", "{file}", "missing.pt"],  # a folder without checkpoints, an empty file, no file
+    "hellaswag_data": ["{folder}", "missing.jsonl"],
+    "tokenizer": ["{folder}", "missing.tiktoken"],
 }
 # booleans: no value both parses and fails; parse_bool refuses anything but true/false words (exit code 2)
-NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "regional_compile"}
+NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "regional_compile",
+                "hellaswag"}
 
 # edge values that must pass, so that the checks are not too strict
 GOOD = {
@@ -58,7 +61,7 @@ GOOD = {
     "val_tokens": ["65536"], "seed": [str(2 ** 64 - 1)], "compile": ["auto", "true", "false"],
     "fused_head_loss": ["auto", "false"] + ["true"] * (train_gpt.triton is not None),  # true needs triton
     "head_chunk_rows": ["0", "1"],
-    "compile_cache": ["", "cache.bin"], "log_dir": ["new/folder"],
+    "compile_cache": ["", "cache.bin"], "log_dir": ["new/folder"], "hellaswag_data": [""], "tokenizer": [""],
 }
 
 

@@ -79,7 +79,7 @@ def test_sigterm_on_one_process_stops_after_the_step_and_resumes_to_identical_lo
     text = log.read_text().splitlines()
     assert text[-1] == stop_line and text[-2].startswith("peak memory consumption: ")
     assert re.fullmatch(rf"checkpoint: {re.escape(str(last))}, \d+\.\d MiB in \d+\.\d s", text[-3])
-    assert step_lines(log)[0][-1].startswith("step:3/8 train_time:")  # the parser takes the other lines
+    assert step_lines(log)[0][-1].startswith("step:3/8 train_loss:")  # the parser takes the other lines
     monkeypatch.undo()
     losses = resumed_losses(last, tmp_path / "resumed")
     assert losses == {step: loss for step, loss in expected.items() if step >= 4} and len(losses) == 3

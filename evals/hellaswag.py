@@ -1,0 +1,308 @@
+"""HellaSwag, zero-shot, for a checkpoint of train_gpt.py: which ending does the model find likely?
+
+    python evals/hellaswag.py logs/<run id>/state_step001390.pt
+    torchrun --standalone --nproc_per_node=8 evals/hellaswag.py CHECKPOINT    # split across GPUs
+    python evals/hellaswag.py CHECKPOINT --data my.jsonl --limit 500 --tokenizer gpt2.tiktoken
+
+Each of an example's candidates is its own document, as in training: 50256, the tokens of the
+context (`ctx`), then those of " " + the ending. A candidate's score is the model's loss over its
+ending's tokens: `acc` counts the examples whose lowest summed loss is the labelled ending's,
+`acc_norm` those whose lowest mean loss per token is (completion style, as llm.c and modded-nanogpt
+score it). The candidates are packed into sequences of the model's own document-causal attention,
+which never crosses a document, so packing changes only the rounding, which is fp32's: the model is
+scored with its bf16 tables cast to fp32. Each candidate lies within the attention window the run
+ended its training with, so none is cut.
+
+The data: HellaSwag's validation file (10,042 examples) from its authors' repository at a fixed
+commit, downloaded once into data/hellaswag/ and checked against the git blob id that commit gives
+it, so that a bad download is an error, not a wrong score. --data FILE reads a local JSON Lines
+file in HellaSwag's format (ctx, endings, label; other fields are ignored). The last line printed
+is `hellaswag: acc_norm=... acc=... n=...`; the line before it says how long the scoring took.
+"""
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# the repository: train_gpt.py and evals/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from evals import common  # noqa: E402
+from evals.common import BLOCK_SIZE  # noqa: E402
+from evals.common import EOT  # noqa: E402
+from evals.common import EvalError  # noqa: E402
+
+# hellaswag_val.jsonl at the last commit of github.com/rowanz/hellaswag (the same in every commit)
+URL = ("https://raw.githubusercontent.com/rowanz/hellaswag/"
+       "a29ff8e9a04bba4bd6588223785ce105328adc57/data/hellaswag_val.jsonl")
+# the id git gives its content there: the sha1 of b"blob <size>\0" followed by the file's bytes
+GIT_BLOB_ID = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
+EXAMPLES = 10_042
+CACHED = common.REPO / "data" / "hellaswag" / "hellaswag_val.jsonl"
+# tokens per forward: their fp32 logits take 1.6 GB
+SEQUENCE_LENGTH = 8192
+
+
+def git_blob_id(data):
+    """The id git gives a file's content, as GitHub lists it."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def download(path=CACHED, url=URL, blob_id=GIT_BLOB_ID, data_option="--data"):
+    """HellaSwag's validation file at path: the copy there if it checks out, else downloaded,
+    checked, and renamed into place (never half a file). data_option: the option that gives a
+    local file instead, for the messages."""
+    path = Path(path)
+    if path.exists():
+        if git_blob_id(path.read_bytes()) == blob_id:
+            return path
+        print(f"{path}: not the expected file; downloading it again", file=sys.stderr)
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            data = response.read()
+    # URLError and HTTPError are OSErrors
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise EvalError(f"cannot download HellaSwag from {url} ({reason}); offline, pass "
+                        f"{data_option} FILE, a copy of hellaswag_val.jsonl") from None
+    got = git_blob_id(data)
+    if got != blob_id:
+        raise EvalError(f"the download from {url} is not HellaSwag's validation file "
+                        f"({len(data):,} bytes, git blob id {got[:12]}, expected {blob_id[:12]}); "
+                        f"nothing was saved: run again, or pass {data_option} FILE")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    except OSError as e:
+        raise EvalError(f"cannot save HellaSwag to {path} ({e.strerror}); pass {data_option} "
+                        "FILE") from None
+    return path
+
+
+def read_examples(path, limit=None, data_option="--data"):
+    """(context, endings, label) of the examples in a HellaSwag JSON Lines file; the first
+    `limit` ones."""
+    examples = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if limit is not None and len(examples) == limit:
+                    break
+                if line.strip():
+                    examples.append(parse_example(line, f"{path}, line {number}"))
+    except OSError as e:
+        raise EvalError(f"{data_option} {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise EvalError(f"{data_option} {path}: not UTF-8 text ({e.reason} at byte {e.start}), "
+                        "so not a JSON Lines file") from None
+    if not examples:
+        raise EvalError(f"{data_option} {path}: no examples in it")
+    return examples
+
+
+def parse_example(line, where):
+    """One line of the file: (context, endings, label), or an error naming the line."""
+    try:
+        item = json.loads(line)
+        context, endings, label = item["ctx"], item["endings"], item["label"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise EvalError(f"{where}: not a HellaSwag example ({type(e).__name__}: {e}); each line "
+                        "is a JSON object with ctx (a text), endings (texts) and label (the index "
+                        "of the right ending)") from None
+    # labels are numbers, or digits in some copies (the hub's); the test split has none
+    if isinstance(label, str) and label.isdigit():
+        label = int(label)
+    texts = isinstance(endings, list) and all(isinstance(e, str) for e in endings)
+    if not isinstance(context, str) or not texts or len(endings) < 2:
+        raise EvalError(f"{where}: ctx must be a text and endings a list of at least 2 texts")
+    if type(label) is not int or not 0 <= label < len(endings):
+        raise EvalError(f"{where}: label {label!r} is not the index of one of its "
+                        f"{len(endings)} endings (HellaSwag's test split has no labels: use the "
+                        "validation split)")
+    return context, endings, label
+
+
+def render(examples, tokenizer):
+    """Per example, its candidates: the tokens of the document (50256, the context, " " + the
+    ending), and where the ending starts."""
+    rendered = []
+    for context, endings, _ in examples:
+        start = [EOT, *tokenizer.encode_ordinary(context)]
+        candidates = []
+        for ending in endings:
+            candidates.append((start + tokenizer.encode_ordinary(" " + ending), len(start)))
+        rendered.append(candidates)
+    return rendered
+
+
+def pack(lengths, sequence_length, window_blocks):
+    """(sequence, offset) of documents of these lengths, in order: none crosses the end of a
+    sequence, and none spans more than window_blocks blocks (one that would starts at the next
+    block instead), so that each sees all of itself."""
+    places = []
+    sequence = 0
+    offset = 0
+    for length in lengths:
+        assert length <= min(sequence_length, window_blocks * BLOCK_SIZE)
+        first_block = offset // BLOCK_SIZE
+        last_block = (offset + length - 1) // BLOCK_SIZE
+        if last_block - first_block >= window_blocks:
+            offset = math.ceil(offset / BLOCK_SIZE) * BLOCK_SIZE
+        if offset + length > sequence_length:
+            sequence += 1
+            offset = 0
+        places.append((sequence, offset))
+        offset += length
+    return places
+
+
+@torch.no_grad()
+def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LENGTH):
+    """Each candidate's summed loss over its ending and the ending's token count (float64, on the
+    CPU), and how they were packed: (sums, counts, sequences, tokens, window in blocks)."""
+    # a copy in fp32 (the bf16 tables cast, so every activation is fp32): packing then changes only
+    # fp32 rounding, where bf16's, each candidate at another position, could flip a close call
+    model = copy.deepcopy(model).float()
+    lengths = [len(tokens) for tokens, _ in candidates]
+    blocks = math.ceil(max(lengths) / BLOCK_SIZE)
+    # one longer than the trained window is scored whole, with a wider window: the others' scores
+    # stay the same, as they lie within the narrower one
+    window_blocks = max(window_blocks, blocks)
+    sequence_length = max(sequence_length, blocks * BLOCK_SIZE)
+    places = pack(lengths, sequence_length, window_blocks)
+    window = torch.tensor(window_blocks, dtype=torch.int32, device=device)
+    sums = torch.zeros(len(candidates), dtype=torch.float64)
+    ending_lengths = [len(tokens) - start for tokens, start in candidates]
+    counts = torch.tensor(ending_lengths, dtype=torch.float64)
+    members = [[] for _ in range(places[-1][0] + 1)]
+    for i, (sequence, offset) in enumerate(places):
+        members[sequence].append((i, offset))
+    for sequence in members:
+        # the last sequence may be shorter: whole blocks up to its last token
+        i, offset = sequence[-1]
+        used = math.ceil((offset + len(candidates[i][0])) / BLOCK_SIZE) * BLOCK_SIZE
+        # padding: lone 50256s, each a document of its own, after the real tokens
+        tokens = torch.full((used,), EOT, dtype=torch.int64)
+        rows = []
+        owners = []
+        for i, offset in sequence:
+            document, start = candidates[i]
+            tokens[offset:offset + len(document)] = torch.tensor(document)
+            # each of the ending's tokens is predicted at the position before it
+            rows += range(offset + start - 1, offset + len(document) - 1)
+            owners += [i] * (len(document) - start)
+        tokens = tokens.to(device)
+        rows = torch.tensor(rows, device=device)
+        logits = model(tokens.to(torch.int32), None, window)
+        losses = F.cross_entropy(logits[rows], tokens[rows + 1], reduction="none")
+        sums.index_add_(0, torch.tensor(owners), losses.double().cpu())
+    return sums, counts, len(members), sum(lengths), window_blocks
+
+
+def correct_counts(rendered, labels, sums, counts):
+    """(by mean loss, by summed loss): the examples whose labelled ending scores lowest."""
+    by_mean = 0
+    by_sum = 0
+    first = 0
+    for candidates, label in zip(rendered, labels):
+        total = sums[first:first + len(candidates)]
+        mean = total / counts[first:first + len(candidates)]
+        by_mean += int(mean.argmin()) == label
+        by_sum += int(total.argmin()) == label
+        first += len(candidates)
+    return by_mean, by_sum
+
+
+def prepare(data=None, tokenizer_file=None, limit=None, data_option="--data"):
+    """The examples, rendered, and their labels: from data (a JSON Lines file), or HellaSwag's
+    validation set, downloaded once."""
+    path = Path(data) if data else download(data_option=data_option)
+    examples = read_examples(path, limit, data_option)
+    if not data and limit is None and len(examples) != EXAMPLES:
+        raise EvalError(f"{path}: {len(examples):,} examples, not HellaSwag's {EXAMPLES:,}: "
+                        "delete it and run again")
+    labels = [label for _, _, label in examples]
+    return render(examples, common.encoding(tokenizer_file)), labels
+
+
+def evaluate(model, rendered, labels, window_blocks, device, rank=0, world_size=1,
+             sequence_length=SEQUENCE_LENGTH):
+    """(acc_norm, acc, n, a line on what was scored in what time). Rank r scores examples r,
+    r + world_size, ...; the counts are summed over the ranks, so every rank must call it."""
+    started = time.perf_counter()
+    mine = slice(rank, None, world_size)
+    candidates = [c for example in rendered[mine] for c in example]
+    correct = torch.zeros(3, dtype=torch.int64)
+    sequences = 0
+    tokens = 0
+    window = window_blocks
+    if candidates:
+        sums, counts, sequences, tokens, window = score(model, candidates, window_blocks, device,
+                                                        sequence_length)
+        correct[:2] = torch.tensor(correct_counts(rendered[mine], labels[mine], sums, counts))
+        correct[2] = len(labels[mine])
+    if world_size > 1:
+        correct = correct.to(device)
+        dist.all_reduce(correct)
+    by_mean, by_sum, n = correct.tolist()
+    seconds = time.perf_counter() - started
+    longest = max(sequence_length, window * BLOCK_SIZE)
+    details = (f"hellaswag: {n:,} examples in {seconds:.1f} s on {world_size} x {device.type} "
+               f"(rank {rank}: {len(candidates):,} candidates, {tokens:,} tokens in {sequences} "
+               f"sequences of up to {longest:,})")
+    if window > window_blocks:
+        details += (f"; candidates longer than the trained window of {window_blocks} blocks were "
+                    f"scored whole, with a window of {window}")
+    return by_mean / n, by_sum / n, n, details
+
+
+def result_line(acc_norm, acc, n):
+    return f"hellaswag: acc_norm={acc_norm:.4f} acc={acc:.4f} n={n}"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Zero-shot HellaSwag accuracy of a train_gpt.py checkpoint.")
+    parser.add_argument("checkpoint", help="a checkpoint that train_gpt.py wrote (state_step*.pt)")
+    parser.add_argument("--data", help="a JSON Lines file in HellaSwag's format (default: "
+                        "HellaSwag's validation set, downloaded once into data/hellaswag/)")
+    parser.add_argument("--limit", type=int, help="score only the first N examples")
+    parser.add_argument("--tokenizer", help="a tiktoken ranks file of GPT-2's BPE, for offline "
+                        "use (default: tiktoken's own, downloaded once)")
+    parser.add_argument("--sequence_length", type=int, default=SEQUENCE_LENGTH,
+                        help="tokens per forward, a multiple of 128 (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be at least 1, got {args.limit}")
+    if args.sequence_length < BLOCK_SIZE or args.sequence_length % BLOCK_SIZE:
+        parser.error(f"--sequence_length must be a positive multiple of {BLOCK_SIZE}, got "
+                     f"{args.sequence_length}")
+
+    def body():
+        rank, world_size, device = common.start_processes()
+        # the data first: it is quicker to check than a checkpoint is to load
+        rendered, labels = prepare(args.data, args.tokenizer, args.limit)
+        model, options = common.load_model(args.checkpoint, device)
+        window_blocks = common.trained_window_blocks(options)
+        acc_norm, acc, n, details = evaluate(model, rendered, labels, window_blocks, device, rank,
+                                             world_size, args.sequence_length)
+        if rank == 0:
+            print(details)
+            print(result_line(acc_norm, acc, n))
+        return 0
+    return common.run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
