@@ -678,86 +678,6 @@ def evaluate(model, loader, args, val_batch, window_blocks, world_size):
 # --------------------------------------------------------------------------------------------------
 # Training
 
-# the first steps compile and warm up: train time starts after them, as in the record
-UNTIMED_STEPS = 10
-
-class TrainClock:
-    """Train time, as the record measures it: paused (waiting for the device) around validation and
-    checkpoints, restarted at the first timed step; a resumed run goes on from its checkpoint's."""
-    def __init__(self, device, start, resumed_ms=0.0, resumed_steps=0):
-        self.device = device
-        self.resumed_ms = resumed_ms
-        self.resumed_steps = resumed_steps
-        # a resumed run's first step compiles, so it is not timed either
-        self.timed_from = max(start + 1, UNTIMED_STEPS)
-        self.ms = resumed_ms
-        self.t0 = time.perf_counter()
-
-    def restart(self):
-        self.ms = self.resumed_ms
-        self.t0 = time.perf_counter()
-
-    def pause(self):
-        synchronize(self.device)
-        self.ms += 1000 * (time.perf_counter() - self.t0)
-
-    def resume(self):
-        synchronize(self.device)
-        self.t0 = time.perf_counter()
-
-    def elapsed_ms(self):
-        """Train time so far, without waiting for the device: approximate."""
-        return self.ms + 1000 * (time.perf_counter() - self.t0)
-
-    def timed_steps(self, step):
-        """How many timed steps have run before step `step`."""
-        return self.resumed_steps + max(step - self.timed_from, 0)
-
-def step_avg(train_time_ms, timed_steps):
-    """Mean milliseconds per timed step (nan before the first)."""
-    return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
-
-class TrainLossLog:
-    """The step lines, with each step's mean train loss over this rank's micro-batches (rank 0's in
-    the log), written without a host-device sync in the step: the device sums the losses and copies
-    the sum to pinned host memory behind an event; a line waits until its event has passed (asked
-    at each step, never waited for) or until the host waits for the device anyway."""
-    def __init__(self, log, device, train_steps, accum_steps):
-        self.log = log
-        self.device = device
-        self.train_steps = train_steps
-        self.accum_steps = accum_steps
-        self.sums = torch.zeros(train_steps, device=device)
-        self.host_sums = torch.zeros(train_steps, pin_memory=device.type == "cuda")
-        # (step, train time, step_avg, event) of the steps whose lines are not written yet
-        self.pending = []
-
-    def add(self, step, loss):
-        self.sums[step].add_(loss.detach())
-
-    def step_done(self, step, train_time_ms, average):
-        self.host_sums[step].copy_(self.sums[step], non_blocking=True)
-        # on the CPU the copy is done already
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self.pending.append((step, train_time_ms, average, event))
-        self.write(wait=False)
-
-    def write(self, wait):
-        """The lines whose losses have arrived, in order; all of them when wait (the host waits)."""
-        while self.pending:
-            step, train_time_ms, average, event = self.pending[0]
-            if event is not None and not (wait or event.query()):
-                return
-            if event is not None:
-                event.synchronize()
-            self.pending.pop(0)
-            loss = self.host_sums[step].item() / self.accum_steps
-            self.log(f"step:{step + 1}/{self.train_steps} train_loss:{loss:.4f} "
-                     f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
-
 def train(args, checkpoint=None):
     """One run: set-up, then validation, checkpoints, training, logging; returns the exit code."""
     rank, world_size, device = setup_device()
@@ -792,9 +712,8 @@ def train(args, checkpoint=None):
 
             # --------------- VALIDATION AND CHECKPOINTS (not train time) ---------------
             final_checkpoint = args.save_checkpoint and (stopping or last_step)
-            checkpoint_every = args.checkpoint_every
-            scheduled_checkpoint = (checkpoint_every > 0) and (step % checkpoint_every == 0)
-            periodic_checkpoint = (checkpoint_every > 0) and (stopping or scheduled_checkpoint)
+            scheduled_checkpoint = (args.checkpoint_every > 0) and (step % args.checkpoint_every == 0)
+            periodic_checkpoint = (args.checkpoint_every > 0) and (stopping or scheduled_checkpoint)
             checkpoint_now = (step > start) and (final_checkpoint or periodic_checkpoint)
             scheduled_validation = (args.val_loss_every > 0) and (step % args.val_loss_every == 0)
             validate_now = (not stopping) and (last_step or scheduled_validation)
@@ -856,18 +775,14 @@ def train(args, checkpoint=None):
     if world_size > 1:
         # no rank tears the process group down while another still writes or reduces
         dist.barrier()
-    if log.failure or stop_signal == LOG_WRITE_FAILED:
-        return 1
-    if stopping:
-        # as if the signal had ended the process
-        return 128 + stop_signal
-    return 0
+    return exit_code(log, stopping, stop_signal)
 
 # ==================================================================================================
 # Everything above is the speedrun: a change to the model, the optimiser or the schedule needs
 # nothing below. Below: the fused-head kernels (a faster form of GPT.head_loss, the same maths),
 # then the operations that make a run safe and repeatable (option checks, device set-up, data
-# budget, run log, compile cache, checkpoints, resume and stopping, argument parsing, main).
+# budget, run log, train time and the step lines, compile cache, checkpoints, resume and stopping,
+# argument parsing, main).
 # ==================================================================================================
 
 # --------------------------------------------------------------------------------------------------
@@ -1536,6 +1451,97 @@ class RunLog(contextlib.AbstractContextManager):
             self(f"removed {len(self.removed)} temp files of interrupted writes: "
                  f"{', '.join(self.removed)}")
         self("=" * 100, console=False)
+
+# --------------------------------------------------------------------------------------------------
+# Train time and the step lines
+
+# the first steps compile and warm up: train time starts after them, as in the record
+UNTIMED_STEPS = 10
+
+class TrainClock:
+    """Train time, as the record measures it: paused (waiting for the device) around validation and
+    checkpoints, restarted at the first timed step; a resumed run goes on from its checkpoint's."""
+    def __init__(self, device, start, resumed_ms=0.0, resumed_steps=0):
+        self.device = device
+        self.resumed_ms = resumed_ms
+        self.resumed_steps = resumed_steps
+        # a resumed run's first step compiles, so it is not timed either
+        self.timed_from = max(start + 1, UNTIMED_STEPS)
+        self.ms = resumed_ms
+        self.t0 = time.perf_counter()
+
+    def restart(self):
+        self.ms = self.resumed_ms
+        self.t0 = time.perf_counter()
+
+    def pause(self):
+        synchronize(self.device)
+        self.ms += 1000 * (time.perf_counter() - self.t0)
+
+    def resume(self):
+        synchronize(self.device)
+        self.t0 = time.perf_counter()
+
+    def elapsed_ms(self):
+        """Train time so far, without waiting for the device: approximate."""
+        return self.ms + 1000 * (time.perf_counter() - self.t0)
+
+    def timed_steps(self, step):
+        """How many timed steps have run before step `step`."""
+        return self.resumed_steps + max(step - self.timed_from, 0)
+
+def step_avg(train_time_ms, timed_steps):
+    """Mean milliseconds per timed step (nan before the first)."""
+    return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
+
+class TrainLossLog:
+    """The step lines, with each step's mean train loss over this rank's micro-batches (rank 0's in
+    the log), written without a host-device sync in the step: the device sums the losses and copies
+    the sum to pinned host memory behind an event; a line waits until its event has passed (asked
+    at each step, never waited for) or until the host waits for the device anyway."""
+    def __init__(self, log, device, train_steps, accum_steps):
+        self.log = log
+        self.device = device
+        self.train_steps = train_steps
+        self.accum_steps = accum_steps
+        self.sums = torch.zeros(train_steps, device=device)
+        self.host_sums = torch.zeros(train_steps, pin_memory=device.type == "cuda")
+        # (step, train time, step_avg, event) of the steps whose lines are not written yet
+        self.pending = []
+
+    def add(self, step, loss):
+        self.sums[step].add_(loss.detach())
+
+    def step_done(self, step, train_time_ms, average):
+        self.host_sums[step].copy_(self.sums[step], non_blocking=True)
+        # on the CPU the copy is done already
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((step, train_time_ms, average, event))
+        self.write(wait=False)
+
+    def write(self, wait):
+        """The lines whose losses have arrived, in order; all of them when wait (the host waits)."""
+        while self.pending:
+            step, train_time_ms, average, event = self.pending[0]
+            if event is not None and not (wait or event.query()):
+                return
+            if event is not None:
+                event.synchronize()
+            self.pending.pop(0)
+            loss = self.host_sums[step].item() / self.accum_steps
+            self.log(f"step:{step + 1}/{self.train_steps} train_loss:{loss:.4f} "
+                     f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
+
+def exit_code(log, stopping, stop_signal):
+    """1 when the log failed; after a stop signal, 128 + its number, as if it had ended the process."""
+    if log.failure or stop_signal == LOG_WRITE_FAILED:
+        return 1
+    if stopping:
+        return 128 + stop_signal
+    return 0
 
 # --------------------------------------------------------------------------------------------------
 # The model's set-up and the compile cache
