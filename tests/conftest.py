@@ -21,6 +21,18 @@ os.environ.update(MALLOC_KEEP)
 for option, name in ((-4, "MALLOC_MMAP_MAX_"), (-1, "MALLOC_TRIM_THRESHOLD_"), (-2, "MALLOC_TOP_PAD_")):
     ctypes.CDLL(None).mallopt(option, int(MALLOC_KEEP[name]))  # M_MMAP_MAX, M_TRIM_THRESHOLD, M_TOP_PAD
 sys.path.insert(0, str(REPO))
+# The environment of every process the tests start, as it was at session start, without torchrun's variables:
+# an in-process test that sets WORLD_SIZE (monkeypatch) while a background run starts must not reach that run.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "GROUP_RANK", "ROLE_RANK")
+SESSION_ENV = {k: v for k, v in os.environ.items()
+               if k not in LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
+
+
+def launch_env(**extra):
+    """The session's environment for a started process, with `extra` set."""
+    return dict(SESSION_ENV, **extra)
+
 
 import train_gpt  # noqa: E402
 
@@ -64,7 +76,7 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads or max(1, (os.cpu_count() or 1) // nproc)))
+    env = launch_env(OMP_NUM_THREADS=str(threads or max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 

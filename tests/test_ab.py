@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BACKGROUND, load_records_script
+from conftest import BACKGROUND, load_records_script, launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "ab.py"
@@ -198,7 +198,7 @@ def real_smoke_ab(out):
              "--num_layers", "6", "--model_dim", "32", "--batch_size", "128",
              "--max_device_batch_size", "128", "--val_tokens", "128"]
     # one thread: on a shared CPU, more threads than free cores make a run many times slower
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = launch_env(OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, str(SCRIPT), "train_gpt.py", "train_gpt.py --regional_compile true",
          "--runs", "1", "--nproc", "1", "--out", str(out), "--", *small],

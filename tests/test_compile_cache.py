@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import BACKGROUND, REPO
+from conftest import BACKGROUND, REPO, launch_env
 
 import train_gpt
 
@@ -28,8 +28,8 @@ print(train_gpt.save_compile_cache(sys.argv[1], {STAMP!r}))
 
 
 def compile_in_fresh_process(cache, tmp_path, name):
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"{name}_inductor"),
-               TRITON_CACHE_DIR=str(tmp_path / f"{name}_triton"))
+    env = launch_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"{name}_inductor"),
+                     TRITON_CACHE_DIR=str(tmp_path / f"{name}_triton"))
     result = subprocess.run([sys.executable, "-c", COMPILE, str(cache)], capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

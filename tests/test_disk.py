@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt
-from conftest import BACKGROUND, REPO, finished_log
+from conftest import BACKGROUND, REPO, finished_log, launch_env
 from test_resume import tiny
 
 HOST = socket.gethostname()
@@ -191,7 +191,7 @@ def run_with_a_failing_log(tmp_path_factory, markov_shards):
            str(REPO / "tests" / "log_full_worker.py"), "2",
            *tiny(markov_shards, log_dir, "--val_loss_every", "0", "--checkpoint_every", "2")]
     return log_dir, subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                   env=launch_env(OMP_NUM_THREADS="1"))
 
 
 def log_full_on_two_processes(request):

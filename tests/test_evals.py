@@ -19,7 +19,7 @@ import tiktoken
 import torch
 
 import train_gpt
-from conftest import BACKGROUND, REPO, finished_log, smoke_marked
+from conftest import BACKGROUND, REPO, finished_log, smoke_marked, launch_env
 from evals import common, hellaswag, sample
 
 RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
@@ -359,9 +359,9 @@ def two_process_hellaswag(request):
         def run():
             processes = []
             for rank in range(2):
-                env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
-                           WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port))
+                env = launch_env(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                                 WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                 MASTER_PORT=str(port))
                 processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                                   stderr=subprocess.PIPE, text=True))
             outputs = [process.communicate(timeout=600) for process in processes]

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import BACKGROUND, REPO, finished_log
+from conftest import BACKGROUND, REPO, finished_log, launch_env
 from test_resume import tiny
 from test_start_up import TINY_RUN
 
@@ -48,7 +48,7 @@ def free_port():
 
 
 def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for_the_second(tmp_path):
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = launch_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.pop("TORCHELASTIC_RUN_ID", None)
     started = time.monotonic()
     # options that suit two processes: without the check, rank 0 would wait gloo's 30 minutes for rank 1
@@ -149,7 +149,7 @@ def run_sh_env(bin_folder, gpus, **extra):
     """run.sh's environment: the stand-in python, with `gpus` GPUs, first on PATH."""
     stand_in(bin_folder, "python", PYTHON)
     path = os.pathsep.join([str(bin_folder), os.environ["PATH"]])
-    env = dict(os.environ, PATH=path, GPUS=str(gpus), OMP_NUM_THREADS="1", **extra)
+    env = launch_env(PATH=path, GPUS=str(gpus), OMP_NUM_THREADS="1", **extra)
     env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
     return env
 
@@ -265,7 +265,7 @@ def run_with_stdout_closed_early(request):
     def run():
         args = [*TINY_RUN, "--train_files", shards[0], "--val_files", shards[1], "--log_dir", str(log_dir)]
         proc = subprocess.Popen([sys.executable, "train_gpt.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                stderr=subprocess.PIPE, text=True, env=launch_env(OMP_NUM_THREADS="1"))
         first = proc.stdout.readline()
         proc.stdout.close()
         err = proc.stderr.read()

@@ -10,7 +10,7 @@ import torch
 
 import muon_worker
 import train_gpt
-from conftest import BACKGROUND
+from conftest import BACKGROUND, launch_env
 from muon_worker import SHAPES, STEPS, gradients
 from train_gpt import Muon, newton_schulz_wide
 
@@ -154,7 +154,7 @@ def launch_worker(out_path, nproc):
     """The worker under torchrun with gloo, the way the trainer runs."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.Popen([sys.executable, *launcher, str(WORKER), str(out_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            stderr=subprocess.PIPE, text=True, env=launch_env(OMP_NUM_THREADS="1"))
 
 
 def run_workers(out_dir, nprocs):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt
-from conftest import REPO, finished_log
+from conftest import REPO, finished_log, launch_env
 from test_end_to_end import SOURCE, step_lines, val_losses
 
 
@@ -139,7 +139,7 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
            str(REPO / "tests" / "stop_worker.py"), "5", "--resume", str(checkpoints[0]),
            "--log_dir", str(tmp_path / "2")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=launch_env(OMP_NUM_THREADS="1"))
     # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers, without one
     assert result.returncode == 1 and "SignalException: Process" in result.stderr, result.stderr[-3000:]
     assert 'train_gpt.py", line' not in result.stderr

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import LN_VOCAB, REPO
+from conftest import LN_VOCAB, REPO, launch_env
 from test_data import run_main
 
 import train_gpt
@@ -34,7 +34,7 @@ for argv in {runs!r}:
 def test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss(tmp_path):
     refused, trained = tmp_path / "refused", tmp_path / "trained"
     runs = [[*TINY_RUN, "--log_dir", str(refused), "--fused_head_loss", "true"], [*TINY_RUN, "--log_dir", str(trained)]]
-    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    env = launch_env(OMP_NUM_THREADS=str(os.cpu_count() or 1))
     result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON.format(runs=runs)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     out = result.stdout
