@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiktoken
-from conftest import BACKGROUND, REPO, finished_log, run_trainer
+from conftest import REPO, finished_log
 
 import train_gpt
 
@@ -429,30 +429,19 @@ def test_a_config_or_split_the_card_lacks_is_one_line(tmp_path):
 
 
 # The trainer on the shards -----------------------------------------------------------------------
-def smoke_run_on_shards(tmp):
-    """Shards of a small corpus (GPT-2's encoding where present, else bytes); 2 steps of a small model."""
-    folder = tmp.mktemp("own_text")
-    paths = write_inputs(folder / "in", corpus(300, seed=8), ["jsonl", "jsonl.gz"])
-    inputs = text_to_shards.local_inputs(paths, folder / "out")
+def test_the_smoke_model_trains_on_the_shards(tmp_path):
+    """Shards of a small corpus (GPT-2's encoding where present, else bytes); 2 steps of a small model, run
+    in this process as `python train_gpt.py` runs it."""
+    paths = write_inputs(tmp_path / "in", corpus(300, seed=8), ["jsonl", "jsonl.gz"])
+    inputs = text_to_shards.local_inputs(paths, tmp_path / "out")
     encoding = gpt2_tokenizer.gpt2_encoding(RANKS) if RANKS.exists() else byte_encoding()
-    text_to_shards.convert(inputs, folder / "out", "mine", encoding, val_tokens=300, shard_tokens=1500)
-    args = ["--preset", "smoke", "--train_files", str(folder / "out" / "mine_train_*.bin"),
-            "--val_files", str(folder / "out" / "mine_val_*.bin"), "--num_iterations", "2",
+    text_to_shards.convert(inputs, tmp_path / "out", "mine", encoding, val_tokens=300, shard_tokens=1500)
+    args = ["--preset", "smoke", "--train_files", str(tmp_path / "out" / "mine_train_*.bin"),
+            "--val_files", str(tmp_path / "out" / "mine_val_*.bin"), "--num_iterations", "2",
             "--val_loss_every", "2", "--batch_size", "256", "--max_device_batch_size", "128",
-            "--val_tokens", "256", "--num_layers", "6", "--log_dir", str(folder / "logs")]
-    return folder, run_trainer(args, threads=1)
-
-
-def smoke_in_background(request):
-    tmp = request.getfixturevalue("tmp_path_factory")
-    return BACKGROUND.once("text_to_shards_smoke", smoke_run_on_shards, tmp)
-
-
-@pytest.mark.background.with_args(smoke_in_background)
-def test_the_smoke_model_trains_on_the_shards(request):
-    folder, result = smoke_in_background(request).result()
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    log = finished_log(folder / "logs").read_text()
+            "--val_tokens", "256", "--num_layers", "6", "--log_dir", str(tmp_path / "logs")]
+    assert train_gpt.main(args) == 0
+    log = finished_log(tmp_path / "logs").read_text()
     assert "mine_train_000001.bin" in log and "mine_train_000002.bin" in log
     steps = [line for line in log.splitlines() if line.startswith("step:") and "val_loss:" in line]
     val_losses = [float(line.split("val_loss:")[1].split()[0]) for line in steps]
