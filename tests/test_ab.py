@@ -2,7 +2,6 @@
 real A/B of the smoke preset."""
 
 import math
-import os
 import re
 import subprocess
 import sys

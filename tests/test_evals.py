@@ -6,7 +6,6 @@ import copy
 import functools
 import http.server
 import json
-import os
 import random
 import socket
 import subprocess
@@ -27,13 +26,13 @@ needs_ranks = pytest.mark.skipif(not RANKS.exists(),
                                  reason="needs ../shared/data/gpt2/gpt2.tiktoken")
 CPU = torch.device("cpu")
 EOT = train_gpt.EOT
-SPECIAL = {"<|endoftext|>": EOT}
+END_OF_TEXT = {"<|endoftext|>": EOT}
 # a token per byte (ids 0-255), and 50256
-BYTES = tiktoken.Encoding("bytes", pat_str=r"[\s\S]", special_tokens=SPECIAL,
+BYTES = tiktoken.Encoding("bytes", pat_str=r"[\s\S]", special_tokens=END_OF_TEXT,
                           mergeable_ranks={bytes([i]): i for i in range(256)})
 # GPT-2's 50,257 ids, every one of which decodes (a model may draw any): bytes, byte pairs, 50256
 PAIRS_LIST = [[b] for b in range(256)] + [[a, b] for a in range(196) for b in range(256)]
-PAIRS = tiktoken.Encoding("pairs", pat_str=r"[\s\S]+", special_tokens=SPECIAL,
+PAIRS = tiktoken.Encoding("pairs", pat_str=r"[\s\S]+", special_tokens=END_OF_TEXT,
                           mergeable_ranks={bytes(p): i for i, p in enumerate(PAIRS_LIST[:EOT])})
 
 

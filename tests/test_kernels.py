@@ -9,7 +9,7 @@ from conftest import smoke_marked
 from test_end_to_end import val_losses
 
 import train_gpt
-from train_gpt import GPT, UserError, fused_head_loss, softcapped_cross_entropy_
+from train_gpt import GPT, fused_head_loss, softcapped_cross_entropy_
 
 
 # the head-loss kernel is Triton's (through its interpreter on CPU); Linux only, as Triton's wheels are
