@@ -101,7 +101,8 @@ def make_log(
         ]
 
     def times(step):
-        timed = max(step - 10, 0)  # timing restarts at step 10
+        # timing restarts at step 10
+        timed = max(step - 10, 0)
         ms = timed * ms_per_step
         if launch_ms is not None and 0 < step <= 10:
             ms = launch_ms + step * ms_per_step
@@ -147,7 +148,8 @@ def test_parse_trainer_log_reads_steps_and_header(tmp_path):
     run = compare.parse_log(log)
     assert (run.planned, run.steps_done) == (40, 40)
     assert run.final_loss == pytest.approx(3.2785)
-    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]  # not step 99 from the source
+    # not step 99 from the source
+    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]
     assert run.train_time_ms == pytest.approx(round(30 * 148.12))
     assert run.step_avg_ms == pytest.approx(148.12, abs=0.01)
     assert run.peak_mib == 31563
@@ -158,7 +160,8 @@ def test_parse_trainer_log_reads_steps_and_header(tmp_path):
 @pytest.mark.parametrize(
     "startup,seconds",
     [
-        (None, None),  # public record logs have no startup line
+        # public record logs have no startup line
+        (None, None),
         ("4.2s from launch to the end of step 1", 4.2),
         (
             "131.7s from launch to the end of step 1, 118.0s of it compiling "
@@ -170,7 +173,8 @@ def test_parse_trainer_log_reads_steps_and_header(tmp_path):
 def test_startup_seconds(tmp_path, startup, seconds):
     run = compare.parse_log(make_log(tmp_path / "a.txt", curve(3.3), 40, startup=startup))
     assert run.startup_s == seconds
-    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]  # the line is not a step line
+    # the line is not a step line
+    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]
 
 
 def test_devices_line_wins_over_nvidia_smi(tmp_path):
@@ -229,7 +233,8 @@ def test_unusable_logs_raise_with_a_reason(tmp_path):
     unfinished = make_log(tmp_path / "unfinished.txt", {0: 10.8, 10: 5.0, 20: 4.0}, 40)
     truncated = make_log(tmp_path / "truncated.txt", curve(3.3), 40, peak=None)
     text = truncated.read_text()
-    truncated.write_text(text[: text.rindex("val_loss:") + 12])  # cut inside the last line
+    # cut inside the last line
+    truncated.write_text(text[: text.rindex("val_loss:") + 12])
     source_only = tmp_path / "source.txt"
     source_only.write_text(FAKE_SOURCE)
     no_steps = tmp_path / "nosteps.txt"
@@ -259,14 +264,15 @@ def test_unusable_logs_raise_with_a_reason(tmp_path):
     "values,target",
     [
         ([3.2785, 3.2791, 3.2779, 3.2801, 3.2788], 3.28),
-        ([3.281, 3.279, 3.2805, 3.2795], 3.28),  # mean above the target: p > 0.5
-        ([3.30, 3.25], 3.28),  # df = 1
-        ([3.2700, 3.2710, 3.2705, 3.2702, 3.2708, 3.2701], 3.28),  # p far below 1e-4
+        # mean above the target: p > 0.5
+        ([3.281, 3.279, 3.2805, 3.2795], 3.28),
+        # df = 1
+        ([3.30, 3.25], 3.28),
+        # p far below 1e-4
+        ([3.2700, 3.2710, 3.2705, 3.2702, 3.2708, 3.2701], 3.28),
         ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 7.0),
-        (
-            [3.28 + 0.002 * math.sin(i) for i in range(80)],
-            3.2801,
-        ),  # record-sized sample
+        # record-sized sample
+        ([3.28 + 0.002 * math.sin(i) for i in range(80)], 3.2801),
     ],
 )
 def test_t_test_matches_scipy(values, target):
@@ -307,7 +313,8 @@ def test_t_test_tiny_tail_keeps_relative_precision():
     # df=1 at t near -1e6: p is about 3.18e-7; 1 - (1 - p) would lose digits.
     _, _, t, p = compare.t_test_less([-1 - 1e-6, -1 + 1e-6], 0.0)
     assert t == pytest.approx(-1e6, rel=1e-6)
-    exact = math.atan(1 / -t) / math.pi  # 1/2 + atan(t)/pi, rewritten without cancellation
+    # 1/2 + atan(t)/pi, rewritten without cancellation
+    exact = math.atan(1 / -t) / math.pi
     assert p == pytest.approx(exact, rel=1e-10)
 
 
@@ -450,7 +457,8 @@ class RecordingAxes:
         self.lines.append((list(x), list(y), style))
         return [RecordingLine(len(self.lines))]
 
-    def __getattr__(self, name):  # titles, labels, limits, legend: not checked here
+    def __getattr__(self, name):
+        """Titles, labels, limits, legend: not checked here."""
         return lambda *args, **kwargs: None
 
 
@@ -494,7 +502,8 @@ def test_plot_draws_val_loss_and_the_train_loss_of_every_step(tmp_path):
     assert train_y == [round(loss(s), 4) for s in range(1, 41)]
     # train time in seconds
     assert train_x == pytest.approx([max(s - 10, 0) * 0.1 for s in range(1, 41)])
-    assert train_style["color"] == "C1"  # the colour of its run's val line
+    # the colour of its run's val line
+    assert train_style["color"] == "C1"
     assert public_y == [public.val_loss[s] for s in sorted(public.val_loss)]
 
 
@@ -516,10 +525,12 @@ def test_smoke_run_logs(smoke_logs, capsys):
     """Logs written by real smoke runs of the trainer parse and compare."""
     assert len(smoke_logs) >= 2
     for log in smoke_logs:
-        run = compare.parse_log(log)  # raises if unfinished
+        # raises if unfinished
+        run = compare.parse_log(log)
         assert run.steps_done == run.planned and math.isfinite(run.final_loss)
         assert sorted(run.train_loss) == list(range(1, run.planned + 1))
-        assert run.train_loss[1] == round(LN_VOCAB, 4)  # the head starts at zero
+        # the head starts at zero
+        assert run.train_loss[1] == round(LN_VOCAB, 4)
         assert run.torch_version != "?" and run.devices != "?"
         assert run.startup_s is not None and run.startup_s > 0
     code, out, _ = run_main(capsys, *smoke_logs)
@@ -535,7 +546,8 @@ def test_committed_gpu_logs_are_read():
     logs = sorted((ROOT / "records").glob("*/*.txt"))
     assert logs, "records/ holds at least the one-H100 runs"
     runs = {log.name: compare.parse_log(log) for log in logs}
-    plain, fused = runs["ab-16384-defaults.txt"], runs["ab-16384-fused-head-loss.txt"]
+    plain = runs["ab-16384-defaults.txt"]
+    fused = runs["ab-16384-fused-head-loss.txt"]
     assert (plain.planned, plain.final_loss, plain.step_avg_ms, plain.peak_mib) == (
         20,
         5.4499,
@@ -585,9 +597,12 @@ def group_logs(folder, finals, planned=40, **kwargs):
 @pytest.mark.parametrize(
     "a,b",
     [
-        ([3.2801, 3.2795, 3.2809], [3.2781, 3.2779, 3.2790, 3.2772]),  # B lower
-        ([3.2790, 3.2810], [3.2805, 3.2815, 3.2800]),  # B higher: p above 0.5
-        ([3.30, 3.31, 3.29, 3.30, 3.32], [3.28, 3.28, 3.29]),  # unequal variances and counts
+        # B lower
+        ([3.2801, 3.2795, 3.2809], [3.2781, 3.2779, 3.2790, 3.2772]),
+        # B higher: p above 0.5
+        ([3.2790, 3.2810], [3.2805, 3.2815, 3.2800]),
+        # unequal variances and counts
+        ([3.30, 3.31, 3.29, 3.30, 3.32], [3.28, 3.28, 3.29]),
     ],
 )
 def test_b_against_a_is_welchs_test_with_its_interval(tmp_path, capsys, a, b):
@@ -708,7 +723,8 @@ def test_runs_of_different_configurations_are_not_pooled(tmp_path, capsys, kwarg
     second = make_log(tmp_path / "b.txt", curve(3.27, planned), planned, options=options, **kwargs)
     code, out, err = run_main(capsys, first, second)
     assert code == 1 and not SUMMARY.search(out)
-    assert str(first) in out and str(second) in out  # the tables still show both
+    # the tables still show both
+    assert str(first) in out and str(second) in out
     assert len(err.strip().splitlines()) == 1
     assert err.startswith(f"error: no t-test: runs 1 and 2 differ in {difference},")
 
@@ -898,7 +914,8 @@ def test_plot_draws_the_two_groups_apart(tmp_path, capsys, monkeypatch):
     a_styles = {(ls, color) for label, ls, color in styles if label.startswith("run A")}
     b_styles = {(ls, color) for label, ls, color in styles if label.startswith("run B")}
     assert len(a_styles) == len(b_styles) == 1 and a_styles != b_styles
-    assert len(styles) == 6  # A: val and train of each run; B: val only
+    # A: val and train of each run; B: val only
+    assert len(styles) == 6
 
 
 @pytest.mark.parametrize(
