@@ -94,6 +94,8 @@ NOT_CONFIGURATION = frozenset(
 )
 # What the val loss is measured on: A and B must share it for their losses to compare
 VAL_DATA = ("val_files", "val_tokens")
+# Globs of shards, compared by their file names (the folder may differ from machine to machine)
+DATA_FILES = ("train_files", "val_files")
 
 
 class LogError(Exception):
@@ -357,8 +359,12 @@ def configuration(run: Run) -> dict[str, str]:
     config = {"steps": str(run.planned), "devices": run.devices}
     for name, value in run.options.items():
         # num_iterations is the step count, already there
-        if name not in NOT_CONFIGURATION and name != "num_iterations":
-            config[name] = value
+        if name in NOT_CONFIGURATION or name == "num_iterations":
+            continue
+        # the same shards in another folder are the same data: their names say which
+        if name in DATA_FILES:
+            value = value.replace("\\", "/").rsplit("/", 1)[-1]
+        config[name] = value
     return config
 
 

@@ -734,6 +734,9 @@ def test_runs_that_differ_only_in_how_they_run_are_one_configuration(tmp_path, c
         {"seed": "0", "log_dir": "logs/A1", "compile": "auto", "max_device_batch_size": "65536"},
         {"seed": "1", "log_dir": "logs/A2", "compile": "false", "max_device_batch_size": "16384"},
     ]
+    # the same shards in another folder
+    how[0]["val_files"] = "data/fineweb10B/fineweb_val_*.bin"
+    how[1]["val_files"] = "/mnt/shared/fineweb_val_*.bin"
     logs = [
         make_log(tmp_path / f"{i}.txt", curve(f), 40, options=o)
         for i, (f, o) in enumerate(zip([3.28, 3.27], how))
