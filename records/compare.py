@@ -777,8 +777,9 @@ def load_group(args: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        usage="%(prog)s LOG_OR_DIR... [--vs LOG_OR_DIR...] [--target 3.28] [--plot FILE.png]",
         description="Compare speedrun logs and t-test their final val loss against a target, "
-        "or group B (--vs) against group A."
+        "or group B (--vs) against group A.",
     )
     parser.add_argument(
         "logs",
@@ -805,6 +806,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also plot val and train loss against train time (needs matplotlib)",
     )
     args = parser.parse_args(argv)
+    if not math.isfinite(args.target):
+        print(
+            f"error: --target {args.target} is not a loss; give a number such as 3.28",
+            file=sys.stderr,
+        )
+        return 2
 
     # --plot fails before any work, not after the tables
     pyplot = None

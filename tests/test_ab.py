@@ -139,6 +139,7 @@ def test_command_lines(tmp_path):
 # ------------------------------------------------------------------ with a fake trainer
 
 
+@pytest.mark.slow
 def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypatch):
     # no GPU: one plain process per run
     monkeypatch.setattr(ab, "visible_gpus", lambda: 0)
@@ -172,6 +173,7 @@ def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypa
     )
 
 
+@pytest.mark.slow
 def test_a_failing_run_stops_with_a_clear_error(fake, tmp_path):
     order = tmp_path / "order.txt"
     out = tmp_path / "out"
@@ -229,6 +231,7 @@ def real_smoke_ab_in_background(request):
     return BACKGROUND.once("real_smoke_ab", run)
 
 
+@pytest.mark.slow
 @pytest.mark.background.with_args(real_smoke_ab_in_background)
 def test_real_smoke_ab(request):
     out, proc = real_smoke_ab_in_background(request).result()

@@ -418,6 +418,7 @@ def test_nothing_usable_is_an_error_not_a_traceback(tmp_path, capsys):
     assert code == 1 and "junk.txt: not a log" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_command_line_script(tmp_path):
     logs = [make_log(tmp_path / f"r{i}.txt", curve(f), 40) for i, f in enumerate([3.27, 3.275])]
     broken = tmp_path / "broken.txt"
@@ -520,6 +521,7 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 # ------------------------------------------------------------------------ smoke runs
 
 
+@pytest.mark.slow
 @smoke_marked(("short", 1), ("short", 2), ("full",))
 def test_smoke_run_logs(smoke_logs, capsys):
     """Logs written by real smoke runs of the trainer parse and compare."""
@@ -969,3 +971,11 @@ def test_a_real_plot_of_two_groups_is_a_png(tmp_path, capsys):
     assert code == 0, err
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "p.png"]
+
+
+@pytest.mark.parametrize("target", ["nan", "inf"])
+def test_a_target_that_is_not_a_loss_is_refused(tmp_path, capsys, target):
+    logs = group_logs(tmp_path, [3.28, 3.27])
+    code, out, err = run_main(capsys, *logs, "--target", target)
+    assert code == 2 and out == ""
+    assert err == f"error: --target {float(target)} is not a loss; give a number such as 3.28\n"

@@ -38,6 +38,7 @@ def val_losses(log):
     return losses
 
 
+@pytest.mark.slow
 @smoke_marked(("head", False))
 def test_profiled_run_writes_a_trace_and_the_top_ops_table_into_its_log(smoke_runs):
     # 2 steps through the tool, --steps 1
