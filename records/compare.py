@@ -737,7 +737,7 @@ def check_plot_path(out: Path, pyplot) -> str:
     if not suffix:
         raise Refusal(
             f"--plot {out} has no suffix, so its format is unknown: name the file with one "
-            f"(e.g. {out}.png)"
+            f"(e.g. {str(out).rstrip('.')}.png)"
         )
     if suffix not in supported:
         raise Refusal(
