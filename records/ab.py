@@ -30,10 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # records/ is not a package
-import compare  # noqa: E402  (the log parser)
+# records/ is not a package: compare.py, the log parser, is imported from beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare  # noqa: E402
 
-TAIL_LINES = 20  # of a failed run's output
+# of a failed run's output
+TAIL_LINES = 20
 
 
 class RunFailed(Exception):
@@ -41,7 +43,8 @@ class RunFailed(Exception):
 
 
 def visible_gpus() -> int:
-    import torch  # imported only to count GPUs; --nproc avoids it
+    """How many GPUs torch sees (torch is imported only here, and --nproc avoids it)."""
+    import torch
 
     return torch.cuda.device_count()
 
@@ -109,6 +112,8 @@ def ratio_line(a_ms: list[float], b_ms: list[float]) -> str:
 
 
 def runs_table(labels: list[str], runs: list[compare.Run]) -> str:
+    """One row per run: ms/step, peak memory, seconds to step 1 and final val loss."""
+
     def num(x, fmt):
         return "?" if x is None or math.isnan(x) else format(x, fmt)
 
@@ -127,18 +132,21 @@ def runs_table(labels: list[str], runs: list[compare.Run]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    # Everything after the first "--" is for the trainer, so argparse never sees it.
+    """A, B and our options; everything after the first "--" is for the trainer, so argparse
+    never sees it."""
     common = []
     if "--" in argv:
         split = argv.index("--")
-        argv, common = argv[:split], argv[split + 1 :]
+        common = argv[split + 1 :]
+        argv = argv[:split]
     parser = argparse.ArgumentParser(
         usage="%(prog)s A B [--runs K] [--nproc N] [--out DIR] [-- FLAGS FOR BOTH...]",
         description="Time two trainer commands A and B, run alternately; print B/A of ms/step.\n"
         'Flags after "--" go to both.',
         epilog='example:\n  %(prog)s train_gpt.py "train_gpt.py --regional_compile true" '
         "-- --num_iterations 100",
-        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the example on one line
+        # keeps the example on one line
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "a", metavar="A", help='script and its own flags, one argument: "train_gpt.py --x 1"'
@@ -175,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     nproc = args.nproc or max(1, visible_gpus())
 
-    labels, runs = [], []
+    labels = []
+    runs = []
     print(f"{args.runs} run(s) each of A and B, alternating, {nproc} process(es) per run")
     print(f"logs in {out}")
     try:
@@ -198,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print("note: the runs planned different step counts, so their losses are not comparable")
     print()
     step_avg = [r.step_avg_ms for r in runs]
-    print(ratio_line(step_avg[0::2], step_avg[1::2]))  # runs are A1 B1 A2 B2 ...
+    # the runs are A1 B1 A2 B2 ...
+    print(ratio_line(step_avg[0::2], step_avg[1::2]))
     return 0
 
 

@@ -4,9 +4,9 @@
     torchrun --standalone --nproc_per_node=8 records/profile_run.py --steps N [TRAINER OPTIONS...]
 
 Rank 0 profiles N train steps, after the first min(12, num_iterations - N) of the process, which
-compile and warm up. The trace (CPU and, with CUDA, GPU; for Perfetto or chrome://tracing) goes beside
-the run's log as <run id>.trace.json. The log gets `profile: ` lines: which steps ran under the
-profiler (their times are not representative) and the 25 ops with the most self time.
+compile and warm up. The trace (CPU and, with CUDA, GPU; for Perfetto or chrome://tracing) goes
+beside the run's log as <run id>.trace.json. The log gets `profile: ` lines: which steps ran under
+the profiler (their times are not representative) and the 25 ops with the most self time.
 """
 
 from __future__ import annotations
@@ -21,20 +21,26 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train_gpt.py is one folder up
+# train_gpt.py is one folder up
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt  # noqa: E402
 
-WARM_UP_STEPS = 12  # at most: the first steps compile, and the following ones settle
+# at most: the first steps compile, and the following ones settle
+WARM_UP_STEPS = 12
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Our --steps, and every other option for the trainer (a trainer option is never
+    abbreviated into one of ours)."""
     parser = argparse.ArgumentParser(
         usage="%(prog)s --steps N [TRAINER OPTIONS...]",
-        description="Run train_gpt.py with N train steps under torch.profiler; every other option goes "
-        "to the trainer.",
-        allow_abbrev=False,  # a trainer option is never taken for one of ours
+        description="Run train_gpt.py with N train steps under torch.profiler; every other option "
+        "goes to the trainer.",
+        allow_abbrev=False,
     )
-    parser.add_argument("--steps", metavar="N", type=int, default=1, help="steps to profile (default 1)")
+    parser.add_argument(
+        "--steps", metavar="N", type=int, default=1, help="steps to profile (default 1)"
+    )
     ours, trainer_argv = parser.parse_known_args(argv)
     if ours.steps < 1:
         parser.error(f"--steps must be at least 1; got {ours.steps}")
@@ -42,10 +48,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def trainer_options(trainer_argv: list[str]) -> train_gpt.Hyperparameters:
-    """The options as the trainer will see them: with --resume, the checkpoint's where none is given."""
+    """The options as the trainer will see them: with --resume, the checkpoint's where none is
+    given."""
     args = train_gpt.parse_args(trainer_argv)
     if args.resume:
-        with contextlib.suppress(Exception):  # a bad checkpoint is the trainer's to report
+        # a bad checkpoint is the trainer's to report
+        with contextlib.suppress(Exception):
             # mmap: the options without reading the tensors
             saved = torch.load(args.resume, map_location="cpu", mmap=True)["args"]
             args = train_gpt.parse_args(trainer_argv, resumed=saved)
@@ -57,24 +65,29 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", 0)) != 0:
         return train_gpt.main(trainer_argv)
     try:
-        trainer_args = trainer_options(trainer_argv)  # for the step count and the log folder
-    except SystemExit as e:  # argparse has said what is wrong
+        # for the step count and the log folder
+        trainer_args = trainer_options(trainer_argv)
+    except SystemExit as e:
+        # argparse has said what is wrong
         return int(e.code or 0)
     wait = max(0, min(WARM_UP_STEPS, trainer_args.num_iterations - ours.steps))
     # as train_gpt.main does, before the profiler can initialise CUDA
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     schedule = torch.profiler.schedule(wait=wait, warmup=0, active=ours.steps, repeat=1)
-    profiler = torch.profiler.profile(schedule=schedule)  # the CPU and, with CUDA, the GPU
+    # the CPU and, with CUDA, the GPU
+    profiler = torch.profiler.profile(schedule=schedule)
 
     train_steps = 0
 
-    def train_step_done(optimizer, args, kwargs):  # Muon steps once per train step, last
+    def train_step_done(optimizer, args, kwargs):
+        """Muon steps once per train step, last: a train step is done."""
         nonlocal train_steps
         if isinstance(optimizer, train_gpt.Muon):
             train_steps += 1
             profiler.step()
 
-    log_dir, started = Path(trainer_args.log_dir), time.time()
+    log_dir = Path(trainer_args.log_dir)
+    started = time.time()
     logs_before = set(log_dir.glob("*.txt"))
     hook = register_optimizer_step_post_hook(train_step_done)
     profiler.start()
@@ -83,22 +96,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         profiler.stop()
         hook.remove()
-    profiled = min(ours.steps, max(0, train_steps - wait))  # fewer if the run ended or stopped early
+    # fewer if the run ended or stopped early
+    profiled = min(ours.steps, max(0, train_steps - wait))
     new_logs = [p for p in set(log_dir.glob("*.txt")) - logs_before if p.stat().st_mtime >= started]
     if not (new_logs and profiled):
-        print(f"profile: no train step ran under the profiler ({train_steps} ran in all)", file=sys.stderr)
+        print(
+            f"profile: no train step ran under the profiler ({train_steps} ran in all)",
+            file=sys.stderr,
+        )
         return code or 1
-    log = max(new_logs, key=lambda p: p.stat().st_mtime)  # this run's (another may share the folder)
+    # this run's (another may share the folder)
+    log = max(new_logs, key=lambda p: p.stat().st_mtime)
     trace = log.with_suffix(".trace.json")
     profiler.export_chrome_trace(str(trace))
     kind = "device" if torch.cuda.is_available() else "cpu"
     table = profiler.key_averages().table(sort_by=f"self_{kind}_time_total", row_limit=25)
-    first = (f"profile: {profiled} train step(s) after the first {wait} of this process ran under the "
-             f"profiler, so their times above are not representative; trace for Perfetto or "
-             f"chrome://tracing: {trace}")
+    first = (
+        f"profile: {profiled} train step(s) after the first {wait} of this process ran under the "
+        f"profiler, so their times above are not representative; trace for Perfetto or "
+        f"chrome://tracing: {trace}"
+    )
     print(first)
     with open(log, "a") as f:
-        f.writelines(f"profile: {line}\n" for line in [first[len("profile: "):], *table.splitlines()])
+        f.writelines(
+            f"profile: {line}\n" for line in [first[len("profile: ") :], *table.splitlines()]
+        )
     return code
 
 

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BACKGROUND, load_records_script, launch_env
+from conftest import BACKGROUND
+from conftest import launch_env
+from conftest import load_records_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "ab.py"
@@ -35,7 +37,8 @@ with open(order, "a") as f:
 print("loading data")
 if a.tag == a.fail:
     sys.exit("boom: out of memory")
-n, ms = a.num_iterations, a.ms + 0.37 * k
+n = a.num_iterations
+ms = a.ms + 0.37 * k
 lines = ["fake source", "=" * 100, "devices: 1 x cpu", "=" * 100]
 for step in range(n + 1):
     timed = max(step - 10, 0)
@@ -60,7 +63,8 @@ def figures_from_log(log_dir):
     """(step_avg, peak MiB, startup s, final val loss) read from a run's log, independently of
     compare.py: the last step's val line, the startup line and the peak memory line."""
     (log,) = Path(log_dir).glob("*.txt")
-    body = log.read_text().split("=" * 100 + "\n", 1)[1]  # skip the source
+    # the source skipped
+    body = log.read_text().split("=" * 100 + "\n", 1)[1]
     last_val = r"^step:(\d+)/\1 val_loss:(\S+) train_time:\d+ms step_avg:(\S+)ms$"
     final = re.findall(last_val, body, re.M)
     peak = re.search(r"^peak memory consumption: (\d+) MiB$", body, re.M)
@@ -99,7 +103,8 @@ def fake(tmp_path):
         ([0.98, 0.99, 0.985], "B faster"),
         ([1.01, 1.03], "B slower"),
         ([0.99, 1.01], "within noise"),
-        ([1.0, 0.97], "within noise"),  # a pair with no difference at all
+        # a pair with no difference at all
+        ([1.0, 0.97], "within noise"),
         ([0.97], "no spread"),
     ],
 )
@@ -115,11 +120,13 @@ def test_ratio_line():
     assert ab.ratio_line([100.0, 100.0], [99.0, 102.0]).endswith("0.9900..1.0200: within noise")
     one = ab.ratio_line([100.0], [103.0])
     assert one.startswith("B/A step_avg: 1.0300 from one pair") and "no spread" in one
-    assert "n/a" in ab.ratio_line([math.nan, 100.0], [100.0, 100.0])  # runs of 10 steps or fewer
+    # runs of 10 steps or fewer
+    assert "n/a" in ab.ratio_line([math.nan, 100.0], [100.0, 100.0])
 
 
 def test_command_lines(tmp_path):
-    side, common = ["train_gpt.py", "--regional_compile", "true"], ["--num_iterations", "60"]
+    side = ["train_gpt.py", "--regional_compile", "true"]
+    common = ["--num_iterations", "60"]
     one = ab.command(side, common, 1, tmp_path / "A1")
     assert one == [sys.executable, *side, *common, "--log_dir", str(tmp_path / "A1")]
     eight = ab.command(side, common, 8, tmp_path / "B1")
@@ -132,9 +139,12 @@ def test_command_lines(tmp_path):
 # ------------------------------------------------------------------ with a fake trainer
 
 
+@pytest.mark.slow
 def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(ab, "visible_gpus", lambda: 0)  # no GPU: one plain process per run
-    order, out = tmp_path / "order.txt", tmp_path / "out"
+    # no GPU: one plain process per run
+    monkeypatch.setattr(ab, "visible_gpus", lambda: 0)
+    order = tmp_path / "order.txt"
+    out = tmp_path / "out"
     code = ab.main(
         [f"{fake} --tag A", f"{fake} --tag B --ms 90", "--runs", "3", "--out", str(out),
          "--", "--order", str(order), "--num_iterations", "14"]
@@ -143,7 +153,8 @@ def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypa
     assert code == 0
     assert order.read_text().split() == ["A", "B"] * 3
     labels = ["A1", "B1", "A2", "B2", "A3", "B3"]
-    assert sorted(p.name for p in out.iterdir()) == sorted(labels)  # one fresh log_dir each
+    # one fresh log_dir each
+    assert sorted(p.name for p in out.iterdir()) == sorted(labels)
 
     rows = rows_of(stdout)
     assert list(rows) == labels
@@ -153,7 +164,8 @@ def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypa
         assert (out / label / "console.log").read_text() == "loading data\n"
 
     ratios, mean = pair_ratios(out, 3)
-    assert all(r < 1 for r in ratios)  # 90 + small against 100 + small
+    # 90 + small against 100 + small
+    assert all(r < 1 for r in ratios)
     last = stdout.strip().splitlines()[-1]
     assert last == (
         f"B/A step_avg: mean {mean:.4f} over 3 pairs, "
@@ -161,21 +173,25 @@ def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypa
     )
 
 
+@pytest.mark.slow
 def test_a_failing_run_stops_with_a_clear_error(fake, tmp_path):
-    order, out = tmp_path / "order.txt", tmp_path / "out"
+    order = tmp_path / "order.txt"
+    out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), f"{fake} --tag A", f"{fake} --tag B --fail B",
          "--nproc", "1", "--out", str(out), "--", "--order", str(order)],
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert proc.returncode == 1
-    assert order.read_text().split() == ["A", "B"]  # nothing runs after the failure
+    # nothing runs after the failure
+    assert order.read_text().split() == ["A", "B"]
     first = proc.stderr.splitlines()[0]
     assert first.startswith("error: B1 failed with exit code 1: ")
     assert f"{fake} --tag B --fail B --order {order} --log_dir {out / 'B1'}" in first
     assert "boom: out of memory" in proc.stderr and "loading data" in proc.stderr
     assert f"logs kept in {out}" in proc.stderr and "Traceback" not in proc.stderr
-    assert len(list((out / "A1").glob("*.txt"))) == 1  # the finished run's log stays
+    # the finished run's log stays
+    assert len(list((out / "A1").glob("*.txt"))) == 1
 
 
 def test_bad_arguments_are_errors_before_any_run(fake, tmp_path, capsys):
@@ -191,8 +207,8 @@ def test_bad_arguments_are_errors_before_any_run(fake, tmp_path, capsys):
 
 
 def real_smoke_ab(out):
-    """One run each of the trainer's smoke preset, shrunk to 12 steps (2 of them timed) of one 128-token
-    block through 6 layers of width 32."""
+    """One run each of the trainer's smoke preset, shrunk to 12 steps (2 of them timed) of one
+    128-token block through 6 layers of width 32."""
     small = ["--preset", "smoke", "--num_iterations", "12", "--val_loss_every", "0",
              "--num_layers", "6", "--model_dim", "32", "--batch_size", "128",
              "--max_device_batch_size", "128", "--val_tokens", "128"]
@@ -215,6 +231,7 @@ def real_smoke_ab_in_background(request):
     return BACKGROUND.once("real_smoke_ab", run)
 
 
+@pytest.mark.slow
 @pytest.mark.background.with_args(real_smoke_ab_in_background)
 def test_real_smoke_ab(request):
     out, proc = real_smoke_ab_in_background(request).result()

@@ -1,13 +1,17 @@
 """Tests for records/compare.py: log parsing, the t-test, the report and the plot."""
 
 import math
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import LN_VOCAB, load_records_script, smoke_marked
+from conftest import LN_VOCAB
+from conftest import load_records_script
+from conftest import smoke_marked
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +47,10 @@ SMI_TABLE = """\
 |    0   N/A  N/A     12345      C   /usr/bin/python3                            1234MiB |
 +-----------------------------------------------------------------------------------------+"""
 
-SMI_ROW = "|   {i}  NVIDIA H100 80GB HBM3          On  |   00000000:{i:02d}:00.0 Off |                    0 |"
+SMI_ROW = (
+    "|   {i}  NVIDIA H100 80GB HBM3          On  |   00000000:{i:02d}:00.0 Off |"
+    "                    0 |"
+)
 
 
 def make_log(
@@ -59,6 +66,9 @@ def make_log(
     torch_version="2.11.0+cu128",
     startup=None,
     train_loss=None,
+    options=None,
+    launch_ms=None,
+    last_line=None,
 ):
     """Write a log in the trainer's format (records/README.md) and return its path.
 
@@ -67,15 +77,15 @@ def make_log(
     hyperparameters, the GPUs only in nvidia-smi's table. `finished=False` stops after the
     last val step given, as a killed run would. `train_loss`, a function of the step, adds the
     field `train_loss:` to the train lines, as this trainer and the earliest public records write.
+    `options` adds configuration lines; `launch_ms` gives the untimed first steps the trainer's
+    time since launch (compilation included) instead of 0; `last_line` ends the log.
     """
     sep = "=" * 100
     lines = [FAKE_SOURCE.rstrip("\n"), sep, "Running Python 3.11.7 (main) [GCC 12.2.0]"]
     lines.append(f"Running PyTorch {torch_version} compiled for CUDA 12.8")
     if not public:
         lines.append(f"devices: {gpus} x NVIDIA H100 80GB HBM3")
-    lines.append(
-        SMI_TABLE.format(rows="\n".join(SMI_ROW.format(i=i) for i in range(gpus)))
-    )
+    lines.append(SMI_TABLE.format(rows="\n".join(SMI_ROW.format(i=i) for i in range(gpus))))
     lines.append(sep)
     if not public:
         lines += [
@@ -83,6 +93,7 @@ def make_log(
             f"  num_iterations = {planned}",
             "  val_loss_every = 125",
         ]
+        lines += [f"  {name} = {value}" for name, value in (options or {}).items()]
         lines += [
             "train shards (1): data/fineweb10B/fineweb_train_000001.bin",
             "val shards (1): data/fineweb10B/fineweb_val_000000.bin",
@@ -90,17 +101,18 @@ def make_log(
         ]
 
     def times(step):
-        timed = max(step - 10, 0)  # timing restarts at step 10
+        # timing restarts at step 10
+        timed = max(step - 10, 0)
         ms = timed * ms_per_step
+        if launch_ms is not None and 0 < step <= 10:
+            ms = launch_ms + step * ms_per_step
         avg = f"{ms / timed:.2f}" if timed else "nan"
         return f"train_time:{ms:.0f}ms step_avg:{avg}ms"
 
     last = max(val)
     for step in range(last + 1):
         if step in val:
-            lines.append(
-                f"step:{step}/{planned} val_loss:{val[step]:.4f} {times(step)}"
-            )
+            lines.append(f"step:{step}/{planned} val_loss:{val[step]:.4f} {times(step)}")
         if step < last:
             loss = "" if train_loss is None else f"train_loss:{train_loss(step + 1):.4f} "
             lines.append(f"step:{step + 1}/{planned} {loss}{times(step + 1)}")
@@ -108,6 +120,8 @@ def make_log(
             lines.append(f"startup: {startup}")
     if finished and last == planned and peak is not None:
         lines.append(f"peak memory consumption: {peak} MiB")
+    if last_line is not None:
+        lines.append(last_line)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -117,9 +131,7 @@ def make_log(
 def curve(final, planned=40, every=10):
     """Val losses at 0, every, 2*every, ..., planned ending at `final`."""
     steps = list(range(0, planned, every)) + [planned]
-    return {
-        s: (10.8258 if s == 0 else final + 1.0 * (planned - s) / planned) for s in steps
-    }
+    return {s: (10.8258 if s == 0 else final + 1.0 * (planned - s) / planned) for s in steps}
 
 
 def run_main(capsys, *argv):
@@ -132,13 +144,12 @@ def run_main(capsys, *argv):
 
 
 def test_parse_trainer_log_reads_steps_and_header(tmp_path):
-    log = make_log(
-        tmp_path / "a.txt", curve(3.2785, planned=40), 40, ms_per_step=148.12
-    )
+    log = make_log(tmp_path / "a.txt", curve(3.2785, planned=40), 40, ms_per_step=148.12)
     run = compare.parse_log(log)
     assert (run.planned, run.steps_done) == (40, 40)
     assert run.final_loss == pytest.approx(3.2785)
-    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]  # not step 99 from the source
+    # not step 99 from the source
+    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]
     assert run.train_time_ms == pytest.approx(round(30 * 148.12))
     assert run.step_avg_ms == pytest.approx(148.12, abs=0.01)
     assert run.peak_mib == 31563
@@ -149,7 +160,8 @@ def test_parse_trainer_log_reads_steps_and_header(tmp_path):
 @pytest.mark.parametrize(
     "startup,seconds",
     [
-        (None, None),  # public record logs have no startup line
+        # public record logs have no startup line
+        (None, None),
         ("4.2s from launch to the end of step 1", 4.2),
         (
             "131.7s from launch to the end of step 1, 118.0s of it compiling "
@@ -161,7 +173,8 @@ def test_parse_trainer_log_reads_steps_and_header(tmp_path):
 def test_startup_seconds(tmp_path, startup, seconds):
     run = compare.parse_log(make_log(tmp_path / "a.txt", curve(3.3), 40, startup=startup))
     assert run.startup_s == seconds
-    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]  # the line is not a step line
+    # the line is not a step line
+    assert sorted(run.val_loss) == [0, 10, 20, 30, 40]
 
 
 def test_devices_line_wins_over_nvidia_smi(tmp_path):
@@ -220,9 +233,8 @@ def test_unusable_logs_raise_with_a_reason(tmp_path):
     unfinished = make_log(tmp_path / "unfinished.txt", {0: 10.8, 10: 5.0, 20: 4.0}, 40)
     truncated = make_log(tmp_path / "truncated.txt", curve(3.3), 40, peak=None)
     text = truncated.read_text()
-    truncated.write_text(
-        text[: text.rindex("val_loss:") + 12]
-    )  # cut inside the last line
+    # cut inside the last line
+    truncated.write_text(text[: text.rindex("val_loss:") + 12])
     source_only = tmp_path / "source.txt"
     source_only.write_text(FAKE_SOURCE)
     no_steps = tmp_path / "nosteps.txt"
@@ -252,14 +264,15 @@ def test_unusable_logs_raise_with_a_reason(tmp_path):
     "values,target",
     [
         ([3.2785, 3.2791, 3.2779, 3.2801, 3.2788], 3.28),
-        ([3.281, 3.279, 3.2805, 3.2795], 3.28),  # mean above the target: p > 0.5
-        ([3.30, 3.25], 3.28),  # df = 1
-        ([3.2700, 3.2710, 3.2705, 3.2702, 3.2708, 3.2701], 3.28),  # p far below 1e-4
+        # mean above the target: p > 0.5
+        ([3.281, 3.279, 3.2805, 3.2795], 3.28),
+        # df = 1
+        ([3.30, 3.25], 3.28),
+        # p far below 1e-4
+        ([3.2700, 3.2710, 3.2705, 3.2702, 3.2708, 3.2701], 3.28),
         ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 7.0),
-        (
-            [3.28 + 0.002 * math.sin(i) for i in range(80)],
-            3.2801,
-        ),  # record-sized sample
+        # record-sized sample
+        ([3.28 + 0.002 * math.sin(i) for i in range(80)], 3.2801),
     ],
 )
 def test_t_test_matches_scipy(values, target):
@@ -272,7 +285,7 @@ def test_t_test_matches_scipy(values, target):
 
 
 def pair_with_t(t, target=3.28):
-    """Two values with statistic t against `target`: for n = 2, t = (mean - target) / half the gap."""
+    """Two values with statistic t against `target`: for n = 2, t = (mean - target) / half gap."""
     half_gap = 0.001
     centre = target + t * half_gap
     return [centre - half_gap, centre + half_gap]
@@ -300,7 +313,8 @@ def test_t_test_tiny_tail_keeps_relative_precision():
     # df=1 at t near -1e6: p is about 3.18e-7; 1 - (1 - p) would lose digits.
     _, _, t, p = compare.t_test_less([-1 - 1e-6, -1 + 1e-6], 0.0)
     assert t == pytest.approx(-1e6, rel=1e-6)
-    exact = math.atan(1 / -t) / math.pi  # 1/2 + atan(t)/pi, rewritten without cancellation
+    # 1/2 + atan(t)/pi, rewritten without cancellation
+    exact = math.atan(1 / -t) / math.pi
     assert p == pytest.approx(exact, rel=1e-10)
 
 
@@ -333,9 +347,7 @@ def test_format_p(p, text):
 
 def test_report_has_rows_shared_steps_and_summary_last(tmp_path, capsys):
     finals = [3.2785, 3.2791, 3.2779]
-    logs = [
-        make_log(tmp_path / f"run{i}.txt", curve(f), 40) for i, f in enumerate(finals)
-    ]
+    logs = [make_log(tmp_path / f"run{i}.txt", curve(f), 40) for i, f in enumerate(finals)]
     # A killed run is named on stderr and left out of the tables and the t-test.
     make_log(tmp_path / "killed.txt", {0: 10.8258, 15: 5.0}, 40, finished=False)
     code, out, err = run_main(capsys, *logs, tmp_path / "killed.txt")
@@ -348,9 +360,7 @@ def test_report_has_rows_shared_steps_and_summary_last(tmp_path, capsys):
         r"40/40\s+3\.2785\s+3\.0\s+100\.00\s+31563 MiB\s+2\.11\.0\+cu128\s+8 x NVIDIA H100",
         out,
     )
-    shared = [
-        line.split() for line in lines if re.match(r"^\s*\d+(\s+\d+\.\d{4}){3}$", line)
-    ]
+    shared = [line.split() for line in lines if re.match(r"^\s*\d+(\s+\d+\.\d{4}){3}$", line)]
     assert [row[0] for row in shared] == ["0", "10", "20", "30", "40"]
     assert shared[-1][1:] == ["3.2785", "3.2791", "3.2779"]
 
@@ -375,10 +385,7 @@ def test_shared_steps_are_the_intersection(tmp_path):
 
 
 def test_target_option_changes_the_test(tmp_path, capsys):
-    logs = [
-        make_log(tmp_path / f"r{i}.txt", curve(f), 40)
-        for i, f in enumerate([3.30, 3.31])
-    ]
+    logs = [make_log(tmp_path / f"r{i}.txt", curve(f), 40) for i, f in enumerate([3.30, 3.31])]
     _, out, _ = run_main(capsys, *logs, "--target", "3.5")
     m = SUMMARY.match(out.strip().splitlines()[-1])
     assert m.group(6) == "3.5" and float(m.group(4)) < 0 and float(m.group(5)) < 0.05
@@ -411,11 +418,9 @@ def test_nothing_usable_is_an_error_not_a_traceback(tmp_path, capsys):
     assert code == 1 and "junk.txt: not a log" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_command_line_script(tmp_path):
-    logs = [
-        make_log(tmp_path / f"r{i}.txt", curve(f), 40)
-        for i, f in enumerate([3.27, 3.275])
-    ]
+    logs = [make_log(tmp_path / f"r{i}.txt", curve(f), 40) for i, f in enumerate([3.27, 3.275])]
     broken = tmp_path / "broken.txt"
     broken.write_bytes(b"\xff\xfe garbage")
     proc = subprocess.run(
@@ -436,10 +441,7 @@ def test_command_line_script(tmp_path):
 
 def test_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    logs = [
-        make_log(tmp_path / f"r{i}.txt", curve(f), 40)
-        for i, f in enumerate([3.27, 3.29])
-    ]
+    logs = [make_log(tmp_path / f"r{i}.txt", curve(f), 40) for i, f in enumerate([3.27, 3.29])]
     out_png = tmp_path / "plot.png"
     code, out, _ = run_main(capsys, *logs, "--plot", out_png)
     assert code == 0 and out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -456,7 +458,8 @@ class RecordingAxes:
         self.lines.append((list(x), list(y), style))
         return [RecordingLine(len(self.lines))]
 
-    def __getattr__(self, name):  # titles, labels, limits, legend: not checked here
+    def __getattr__(self, name):
+        """Titles, labels, limits, legend: not checked here."""
         return lambda *args, **kwargs: None
 
 
@@ -483,8 +486,8 @@ class RecordingFigure:
     def tight_layout(self):
         pass
 
-    def savefig(self, *args, **kwargs):
-        pass
+    def savefig(self, path, **kwargs):
+        Path(path).write_bytes(b"")
 
 
 def test_plot_draws_val_loss_and_the_train_loss_of_every_step(tmp_path):
@@ -500,7 +503,8 @@ def test_plot_draws_val_loss_and_the_train_loss_of_every_step(tmp_path):
     assert train_y == [round(loss(s), 4) for s in range(1, 41)]
     # train time in seconds
     assert train_x == pytest.approx([max(s - 10, 0) * 0.1 for s in range(1, 41)])
-    assert train_style["color"] == "C1"  # the colour of its run's val line
+    # the colour of its run's val line
+    assert train_style["color"] == "C1"
     assert public_y == [public.val_loss[s] for s in sorted(public.val_loss)]
 
 
@@ -517,15 +521,18 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 # ------------------------------------------------------------------------ smoke runs
 
 
+@pytest.mark.slow
 @smoke_marked(("short", 1), ("short", 2), ("full",))
 def test_smoke_run_logs(smoke_logs, capsys):
     """Logs written by real smoke runs of the trainer parse and compare."""
     assert len(smoke_logs) >= 2
     for log in smoke_logs:
-        run = compare.parse_log(log)  # raises if unfinished
+        # raises if unfinished
+        run = compare.parse_log(log)
         assert run.steps_done == run.planned and math.isfinite(run.final_loss)
         assert sorted(run.train_loss) == list(range(1, run.planned + 1))
-        assert run.train_loss[1] == round(LN_VOCAB, 4)  # the head starts at zero
+        # the head starts at zero
+        assert run.train_loss[1] == round(LN_VOCAB, 4)
         assert run.torch_version != "?" and run.devices != "?"
         assert run.startup_s is not None and run.startup_s > 0
     code, out, _ = run_main(capsys, *smoke_logs)
@@ -541,8 +548,434 @@ def test_committed_gpu_logs_are_read():
     logs = sorted((ROOT / "records").glob("*/*.txt"))
     assert logs, "records/ holds at least the one-H100 runs"
     runs = {log.name: compare.parse_log(log) for log in logs}
-    plain, fused = runs["ab-16384-defaults.txt"], runs["ab-16384-fused-head-loss.txt"]
-    assert (plain.planned, plain.final_loss, plain.step_avg_ms, plain.peak_mib) == (20, 5.4499, 1163.96, 10824)
-    assert (fused.planned, fused.final_loss, fused.step_avg_ms, fused.peak_mib) == (20, 5.4499, 1120.39, 10921)
+    plain = runs["ab-16384-defaults.txt"]
+    fused = runs["ab-16384-fused-head-loss.txt"]
+    assert (plain.planned, plain.final_loss, plain.step_avg_ms, plain.peak_mib) == (
+        20,
+        5.4499,
+        1163.96,
+        10824,
+    )
+    assert (fused.planned, fused.final_loss, fused.step_avg_ms, fused.peak_mib) == (
+        20,
+        5.4499,
+        1120.39,
+        10921,
+    )
     assert (plain.startup_s, fused.startup_s) == (64.4, 59.6)
     assert plain.devices == "1 x NVIDIA H100 80GB HBM3" and plain.torch_version == "2.11.0+cu130"
+
+
+# ------------------------------------------------------------------ two groups: B against A
+
+WELCH_LINE = re.compile(
+    r"^B against A (?P<title>.*?): B - A = (?P<diff>[-+]\d+\.\d{5}), "
+    r"95% CI (?P<low>[-+]\d+\.\d{5}) to (?P<high>[-+]\d+\.\d{5}) "
+    r"\(Welch df=(?P<df>\d+\.\d\d)\), t=(?P<t>-?\d+\.\d\d) "
+    r"p=(?P<p>\d\.\d{4}|\d\.\d{3}e[-+]\d\d) that B is lower$"
+)
+
+
+def welch_reference(a, b):
+    """B - A, its 95% interval and the one-sided test, from numpy's variances and SciPy."""
+    a = np.array(a, dtype=np.float64)
+    b = np.array(b, dtype=np.float64)
+    share_a = a.var(ddof=1) / len(a)
+    share_b = b.var(ddof=1) / len(b)
+    df = (share_a + share_b) ** 2 / (share_a**2 / (len(a) - 1) + share_b**2 / (len(b) - 1))
+    half = stats.t.ppf(0.975, df) * np.sqrt(share_a + share_b)
+    diff = b.mean() - a.mean()
+    test = stats.ttest_ind(b, a, equal_var=False, alternative="less")
+    return diff, diff - half, diff + half, df, test.statistic, test.pvalue
+
+
+def group_logs(folder, finals, planned=40, **kwargs):
+    return [
+        make_log(folder / f"run{i}.txt", curve(final, planned), planned, **kwargs)
+        for i, final in enumerate(finals)
+    ]
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        # B lower
+        ([3.2801, 3.2795, 3.2809], [3.2781, 3.2779, 3.2790, 3.2772]),
+        # B higher: p above 0.5
+        ([3.2790, 3.2810], [3.2805, 3.2815, 3.2800]),
+        # unequal variances and counts
+        ([3.30, 3.31, 3.29, 3.30, 3.32], [3.28, 3.28, 3.29]),
+    ],
+)
+def test_b_against_a_is_welchs_test_with_its_interval(tmp_path, capsys, a, b):
+    group_logs(tmp_path / "a", a)
+    group_logs(tmp_path / "b", b)
+    code, out, err = run_main(capsys, tmp_path / "a", "--vs", str(tmp_path / "b" / "run*.txt"))
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    m = WELCH_LINE.match(lines[-1])
+    assert m, lines[-1]
+    diff, low, high, df, t, p = welch_reference(a, b)
+    assert m["title"] == "at step 40"
+    assert float(m["diff"]) == pytest.approx(diff, abs=6e-6)
+    assert float(m["low"]) == pytest.approx(low, abs=6e-6)
+    assert float(m["high"]) == pytest.approx(high, abs=6e-6)
+    assert float(m["df"]) == pytest.approx(df, abs=6e-3)
+    assert float(m["t"]) == pytest.approx(t, abs=6e-3)
+    assert m["p"] == compare.format_p(p)
+    result = compare.welch_less(a, b)
+    assert (result.difference, result.low, result.high) == pytest.approx((diff, low, high))
+    assert (result.df, result.t, result.p) == pytest.approx((df, t, p), rel=1e-9)
+    # each group is judged against the target too, as one group alone would be
+    mean_a, std_a, t_a, p_a = compare.t_test_less(a, 3.28)
+    assert lines[-3] == (
+        f"A: n={len(a)} mean={mean_a:.4f} std={std_a:.4f} t={t_a:.2f} "
+        f"p={compare.format_p(p_a)} target=3.28"
+    )
+    assert lines[-2].startswith(f"B: n={len(b)} ")
+
+
+def test_different_step_counts_are_compared_at_the_last_validation_step_both_ran(tmp_path, capsys):
+    a = [3.2801, 3.2795, 3.2809]
+    b = [3.2901, 3.2875]
+    group_logs(tmp_path / "a", a, planned=40)
+    group_logs(tmp_path / "b", b, planned=30)
+    code, out, _ = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    assert code == 0
+    lines = out.strip().splitlines()
+    at_end = WELCH_LINE.match(lines[-2])
+    at_30 = WELCH_LINE.match(lines[-1])
+    assert at_end["title"] == "at the end (step 40 for A, 30 for B)"
+    assert float(at_end["diff"]) == pytest.approx(welch_reference(a, b)[0], abs=6e-6)
+    assert at_30["title"] == "at step 30, the last validation step both ran"
+    # curve(): A's val loss at step 30 of 40 is its final + 10/40, as logged with 4 decimals
+    a_at_30 = [round(final + 0.25, 4) for final in a]
+    diff, low, high, _, t, p = welch_reference(a_at_30, b)
+    assert float(at_30["diff"]) == pytest.approx(diff, abs=6e-6)
+    assert float(at_30["low"]) == pytest.approx(low, abs=6e-6)
+    assert float(at_30["t"]) == pytest.approx(t, abs=6e-3)
+    assert at_30["p"] == compare.format_p(p)
+    assert "A and B differ in: steps 40 / 30" in out
+
+
+def test_one_run_per_group_says_a_test_needs_two(tmp_path, capsys):
+    a = make_log(tmp_path / "a.txt", curve(3.2801), 40)
+    b = make_log(tmp_path / "b.txt", curve(3.2781), 40)
+    code, out, _ = run_main(capsys, a, "--vs", b)
+    assert code == 0
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("B against A at step 40: B - A = -0.00200")
+    assert "a test needs two or more finished runs in each group (A has 1, B has 1)" in last
+    assert "p=" not in out
+
+
+def test_equal_losses_in_each_group_make_a_degenerate_test_said_so(tmp_path, capsys):
+    group_logs(tmp_path / "a", [3.28, 3.28])
+    group_logs(tmp_path / "b", [3.27, 3.27])
+    code, out, _ = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    lines = out.strip().splitlines()
+    assert code == 0 and "degenerate" in lines[-2]
+    assert lines[-1].startswith("B against A at step 40: B - A = -0.01000, 95% CI -0.01000 to")
+    assert lines[-1].endswith("t=-inf p=0.000e+00 that B is lower")
+
+
+def test_a_log_in_both_groups_is_refused(tmp_path, capsys):
+    logs = group_logs(tmp_path, [3.28, 3.27])
+    code, out, err = run_main(capsys, *logs, "--vs", logs[1])
+    assert code == 1 and out == ""
+    assert err.strip().splitlines() == [
+        f"error: {logs[1]} is in both groups; give each log to one group"
+    ]
+
+
+def test_a_group_without_finished_runs_is_refused(tmp_path, capsys):
+    a = group_logs(tmp_path / "a", [3.28, 3.27])
+    code, out, err = run_main(capsys, *a, "--vs", tmp_path / "b*")
+    assert code == 1 and out == ""
+    assert err.strip().splitlines()[-1] == "error: group B (--vs) has no finished runs to compare"
+
+
+def test_groups_validated_on_different_data_are_refused(tmp_path, capsys):
+    group_logs(tmp_path / "a", [3.28, 3.27], options={"val_files": "fineweb_val_*.bin"})
+    group_logs(tmp_path / "b", [3.28, 3.27], options={"val_files": "enwiki_val_*.bin"})
+    code, out, err = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    assert code == 1 and "B against A" not in out
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("error: no test of B against A: they are validated on different data")
+    assert "val_files fineweb_val_*.bin / enwiki_val_*.bin" in err
+
+
+# ------------------------------------------------------- configurations, divergence, stops
+
+
+@pytest.mark.parametrize(
+    "kwargs,difference",
+    [
+        (dict(planned=50), "steps 40 / 50"),
+        (dict(options={"batch_size": "262144"}), "batch_size 524288 / 262144"),
+        (dict(options={"train_files": "enwiki_*.bin"}), "train_files fineweb_*.bin / enwiki_*.bin"),
+        (dict(gpus=1), "devices 8 x NVIDIA H100 80GB HBM3 / 1 x NVIDIA H100 80GB HBM3"),
+    ],
+)
+def test_runs_of_different_configurations_are_not_pooled(tmp_path, capsys, kwargs, difference):
+    base = {"batch_size": "524288", "train_files": "fineweb_*.bin"}
+    first = make_log(tmp_path / "a.txt", curve(3.28), 40, options=base)
+    options = dict(base, **kwargs.pop("options", {}))
+    planned = kwargs.pop("planned", 40)
+    second = make_log(tmp_path / "b.txt", curve(3.27, planned), planned, options=options, **kwargs)
+    code, out, err = run_main(capsys, first, second)
+    assert code == 1 and not SUMMARY.search(out)
+    # the tables still show both
+    assert str(first) in out and str(second) in out
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: no t-test: runs 1 and 2 differ in {difference},")
+
+
+def test_runs_that_differ_only_in_how_they_run_are_one_configuration(tmp_path, capsys):
+    how = [
+        {"seed": "0", "log_dir": "logs/A1", "compile": "auto", "max_device_batch_size": "65536"},
+        {"seed": "1", "log_dir": "logs/A2", "compile": "false", "max_device_batch_size": "16384"},
+    ]
+    # the same shards in another folder
+    how[0]["val_files"] = "data/fineweb10B/fineweb_val_*.bin"
+    how[1]["val_files"] = "/mnt/shared/fineweb_val_*.bin"
+    logs = [
+        make_log(tmp_path / f"{i}.txt", curve(f), 40, options=o)
+        for i, (f, o) in enumerate(zip([3.28, 3.27], how))
+    ]
+    code, out, err = run_main(capsys, *logs)
+    assert code == 0 and err == "" and SUMMARY.match(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_a_diverged_run_is_named_and_left_out_of_the_test(tmp_path, capsys, bad):
+    logs = group_logs(tmp_path, [3.2785, 3.2791, 3.2779])
+    # diverged at the last step: the val line is there, its loss is not a number
+    text = logs[2].read_text().replace("step:40/40 val_loss:3.2779", f"step:40/40 val_loss:{bad}")
+    logs[2].write_text(text)
+    code, out, err = run_main(capsys, *logs)
+    assert code == 0
+    assert f"skipped {logs[2]}: diverged (val loss {float(bad)} at step 40 of 40)" in err
+    assert str(logs[2]) not in out
+    mean, std, t, p = compare.t_test_less([3.2785, 3.2791], 3.28)
+    assert out.strip().splitlines()[-1].startswith(f"n=2 mean={mean:.4f} std={std:.4f} t={t:.2f}")
+
+
+def test_a_run_diverged_midway_is_named_as_diverged(tmp_path):
+    log = make_log(
+        tmp_path / "d.txt",
+        {0: 10.8258, 10: math.nan},
+        40,
+        finished=False,
+        last_line="error: val loss is nan at step 10: training diverged, most likely ...",
+    )
+    with pytest.raises(
+        compare.LogError, match=re.escape("diverged (val loss nan at step 10 of 40)")
+    ):
+        compare.parse_log(log)
+
+
+def test_a_stopped_run_is_named_as_stopped_and_left_out(tmp_path, capsys):
+    logs = group_logs(tmp_path, [3.2785, 3.2791])
+    stopped = make_log(
+        tmp_path / "stopped.txt",
+        {0: 10.8258, 10: 5.0, 20: 4.0},
+        40,
+        finished=False,
+        last_line="stopped by SIGTERM after step 20; no checkpoint was written (...)",
+    )
+    code, out, err = run_main(capsys, *logs, stopped)
+    assert code == 0 and str(stopped) not in out
+    assert (
+        f"skipped {stopped}: stopped early (stopped by SIGTERM after step 20; 20 of 40 steps)"
+        in err
+    )
+    assert out.strip().splitlines()[-1].startswith("n=2 ")
+
+
+def test_two_runs_of_the_same_plan_in_one_file_are_refused(tmp_path):
+    a = make_log(tmp_path / "a.txt", curve(3.3), 40).read_text()
+    both = tmp_path / "both.txt"
+    both.write_text(a + a.split("=" * 100 + "\n")[-1])
+    with pytest.raises(compare.LogError, match="not one run .step lines go back from step 40 to 0"):
+        compare.parse_log(both)
+
+
+def test_train_time_going_back_after_timing_started_is_refused(tmp_path):
+    log = make_log(tmp_path / "a.txt", curve(3.3), 40)
+    log.write_text(
+        log.read_text().replace("step:25/40 train_time:1500ms", "step:25/40 train_time:900ms")
+    )
+    with pytest.raises(compare.LogError, match="train_time goes back from 1400ms at step 24"):
+        compare.parse_log(log)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "step:50/40 val_loss:3.3000 train_time:4000ms step_avg:100.00ms",
+        "step:40/40 val_loss:abc train_time:4000ms step_avg:100.00ms",
+    ],
+)
+def test_odd_step_lines_are_refused(tmp_path, bad):
+    log = make_log(tmp_path / "a.txt", curve(3.3), 40, last_line=bad)
+    with pytest.raises(compare.LogError, match="odd step line"):
+        compare.parse_log(log)
+
+
+def test_a_named_pipe_is_not_read(tmp_path, capsys):
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    log = make_log(tmp_path / "a.txt", curve(3.3), 40)
+    code, out, err = run_main(capsys, log, fifo)
+    assert code == 0 and f"skipped {fifo}: not a regular file" in err
+
+
+# ------------------------------------------------------------------------ plot: time axis
+
+
+class LabelledAxes(RecordingAxes):
+    def set_xlabel(self, label):
+        self.xlabel = label
+
+
+class LabelledPyplot(RecordingPyplot):
+    """A pyplot that records what is drawn, and can say which formats it writes."""
+
+    def __init__(self):
+        self.axes = LabelledAxes()
+
+    def figure(self):
+        canvas = type(
+            "Canvas", (), {"get_supported_filetypes": lambda self: {"png": "", "pdf": ""}}
+        )
+        return type("Figure", (), {"canvas": canvas()})()
+
+    def close(self, figure):
+        pass
+
+
+def test_plot_is_monotone_in_time_with_the_untimed_steps_at_zero(tmp_path):
+    # as the trainer writes it: the first 10 step lines carry the time since launch
+    log = make_log(tmp_path / "a.txt", curve(3.3), 40, launch_ms=60_000, train_loss=lambda s: 4.0)
+    run = compare.parse_log(log)
+    assert run.train_loss_time_ms[10] == 61_000 and run.train_loss_time_ms[11] == 100
+    pyplot = LabelledPyplot()
+    compare.plot_runs([run], 3.28, tmp_path / "p.png", pyplot)
+    (val_x, _, _), (train_x, _, _) = pyplot.axes.lines
+    # train time as the trainer defines it: nothing before step 10 is timed
+    assert train_x == pytest.approx([max(s - 10, 0) * 0.1 for s in range(1, 41)])
+    assert val_x == pytest.approx([0.0, 0.0, 1.0, 2.0, 3.0])
+    assert "the first 10 steps" in pyplot.axes.xlabel and "untimed" in pyplot.axes.xlabel
+
+
+def test_the_logs_own_untimed_steps_count_is_used(tmp_path):
+    # a fork that times from step 20: its source says so, and its lines up to 20 are untimed
+    log = make_log(tmp_path / "a.txt", curve(3.3), 40, launch_ms=60_000, train_loss=lambda s: 4.0)
+    text = log.read_text().replace("def log(", "UNTIMED_STEPS = 20\ndef log(", 1)
+    for step in range(11, 21):
+        text = text.replace(
+            f"step:{step}/40 train_loss:4.0000 train_time:{(step - 10) * 100}ms",
+            f"step:{step}/40 train_loss:4.0000 train_time:{70_000 + step}ms",
+        )
+    log.write_text(text)
+    run = compare.parse_log(log)
+    assert run.untimed_through == 20
+    pyplot = LabelledPyplot()
+    compare.plot_runs([run], 3.28, tmp_path / "p.png", pyplot)
+    _, (train_x, _, _) = pyplot.axes.lines
+    assert train_x[:20] == [0.0] * 20 and train_x[20:] == sorted(train_x[20:])
+
+
+def test_a_resumed_runs_untimed_steps_are_left_out_of_the_plot(tmp_path):
+    # resumed at step 20: its log starts there, and its first step compiles, untimed
+    log = make_log(tmp_path / "a.txt", curve(3.3), 40, train_loss=lambda s: 4.0)
+    head, steps = log.read_text().split("step:0/40 val_loss", 1)
+    steps = ("step:0/40 val_loss" + steps).splitlines()
+    kept = [s for s in steps if not s.startswith("step:") or int(s[5:].split("/")[0]) >= 20]
+    log.write_text(head + "resumed from state.pt at step 20\n" + "\n".join(kept) + "\n")
+    run = compare.parse_log(log)
+    pyplot = LabelledPyplot()
+    compare.plot_runs([run], 3.28, tmp_path / "p.png", pyplot)
+    (val_x, _, _), (train_x, _, _) = pyplot.axes.lines
+    assert val_x == pytest.approx([2.0, 3.0])
+    assert train_x == pytest.approx([(s - 10) * 0.1 for s in range(22, 41)])
+    assert "left out" in pyplot.axes.xlabel
+
+
+def test_plot_draws_the_two_groups_apart(tmp_path, capsys, monkeypatch):
+    pyplot = LabelledPyplot()
+    monkeypatch.setattr(compare, "_import_pyplot", lambda: pyplot)
+    group_logs(tmp_path / "a", [3.28, 3.27], train_loss=lambda s: 4.0)
+    group_logs(tmp_path / "b", [3.26, 3.25])
+    code, out, _ = run_main(
+        capsys, tmp_path / "a", "--vs", tmp_path / "b", "--plot", tmp_path / "p.png"
+    )
+    assert code == 0 and f"plot written to {tmp_path / 'p.png'}" in out
+    styles = [
+        (style["label"], style.get("linestyle"), style.get("color"))
+        for _, _, style in pyplot.axes.lines
+    ]
+    a_styles = {(ls, color) for label, ls, color in styles if label.startswith("run A")}
+    b_styles = {(ls, color) for label, ls, color in styles if label.startswith("run B")}
+    assert len(a_styles) == len(b_styles) == 1 and a_styles != b_styles
+    # A: val and train of each run; B: val only
+    assert len(styles) == 6
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("missing/p.png", "there is no folder"),
+        ("folder", "is not a regular file"),
+        (
+            "curves",
+            "has no suffix, so its format is unknown: name the file with one (e.g. {path}.png)",
+        ),
+        ("curves.txt", "matplotlib cannot write .txt files; use one of .pdf, .png"),
+    ],
+)
+def test_a_plot_that_cannot_be_written_is_refused_before_any_work(
+    tmp_path, capsys, monkeypatch, name, message
+):
+    monkeypatch.setattr(compare, "_import_pyplot", lambda: LabelledPyplot())
+    (tmp_path / "folder").mkdir()
+    logs = group_logs(tmp_path / "logs", [3.28, 3.27])
+    path = tmp_path / name
+    code, out, err = run_main(capsys, *logs, "--plot", path)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [err.strip()]
+    assert err.startswith(f"error: --plot {path}") and message.format(path=path) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "logs"]
+
+
+def test_a_plot_into_a_read_only_folder_is_refused(tmp_path, capsys, monkeypatch):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    monkeypatch.setattr(compare, "_import_pyplot", lambda: LabelledPyplot())
+    logs = group_logs(tmp_path / "logs", [3.28, 3.27])
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    code, out, err = run_main(capsys, *logs, "--plot", folder / "p.png")
+    folder.chmod(0o755)
+    assert code == 2 and out == "" and "cannot be written" in err
+
+
+def test_a_real_plot_of_two_groups_is_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    group_logs(tmp_path / "a", [3.28, 3.27], launch_ms=60_000)
+    group_logs(tmp_path / "b", [3.26, 3.25])
+    out_png = tmp_path / "p.png"
+    code, _, err = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b", "--plot", out_png)
+    assert code == 0, err
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "p.png"]
+
+
+@pytest.mark.parametrize("target", ["nan", "inf"])
+def test_a_target_that_is_not_a_loss_is_refused(tmp_path, capsys, target):
+    logs = group_logs(tmp_path, [3.28, 3.27])
+    code, out, err = run_main(capsys, *logs, "--target", target)
+    assert code == 2 and out == ""
+    assert err == f"error: --target {float(target)} is not a loss; give a number such as 3.28\n"
