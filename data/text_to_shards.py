@@ -47,15 +47,22 @@ How it works, and why:
 import argparse
 import array
 import collections
-import concurrent.futures
+import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import gzip
 import hashlib
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
+import queue
 import re
+import shutil
 import signal
+import socket
+import stat
 import sys
 import threading
 import time
@@ -63,20 +70,28 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import hub_errors
 import numpy as np
-
-from gpt2_tokenizer import EOT, TokenizerError, gpt2_encoding
+import shards
+from gpt2_tokenizer import EOT
+from gpt2_tokenizer import TokenizerError
+from gpt2_tokenizer import gpt2_encoding
 
 HERE = Path(__file__).resolve().parent
-MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
-HEADER_BYTES = 4 * HEADER_INTS
-MAX_SHARD_TOKENS = 2 ** 31 - 1  # the header's token count is an int32
+HEADER_BYTES = shards.HEADER_BYTES
+MAX_SHARD_TOKENS = shards.MAX_TOKENS
 # The trainer's default --val_tokens (10,485,760), plus the 2 tokens its loader reads beyond them
 DEFAULT_VAL_TOKENS = 10_485_762
 DEFAULT_SHARD_TOKENS = 100_000_000  # as FineWeb's shards
 CHUNK_BYTES = 1 << 18  # text per task: ~30 ms of one core's work, so handing it out costs under 1%
 IN_FLIGHT_PER_WORKER = 4
 MANIFEST = "text_to_shards.json"
+# who holds the output folder's lock; removed when the run ends
+OWNER = ".text_to_shards.owner"
+# where a dataset whose inputs changed is made anew, the old one kept until the new one is complete
+STAGING = ".text_to_shards.next"
+# the descriptors holding folder locks, which a forked worker process closes
+LOCKS = []
 PYARROW = "pyarrow==26.0.1"  # the version the Parquet path was tested with; README says the same
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -113,32 +128,70 @@ class Input:
 
 
 def local_inputs(paths, out):
-    """Input for each path (a folder: the files under it, sorted), each checked: readable, not empty."""
+    """Input for each path (a folder: the files under it, sorted), each checked: a regular file,
+    readable, not empty."""
     inputs = []
     for given in paths:
         path = Path(given)
         if path.is_dir():
             # hidden files and folders, and the output folder, are not the user's text
-            files = sorted(p.relative_to(path).parts for p in path.rglob("*") if p.is_file())
-            files = [path.joinpath(*parts) for parts in files if not any(p.startswith(".") for p in parts)]
+            found = sorted(p.relative_to(path).parts for p in path.rglob("*") if listed(p))
+            files = [path.joinpath(*parts) for parts in found
+                     if not any(part.startswith(".") for part in parts)]
             files = [file for file in files if out.resolve() not in file.resolve().parents]
             if not files:
                 raise InputError(f"{given}: an empty folder: no files to read")
         else:
             files = [path]
         for file in files:
+            info = regular_file(file)
             try:
                 with open(file, "rb") as f:
-                    info = os.fstat(f.fileno())
                     f.read(1)
-            except FileNotFoundError:
-                raise InputError(f"{file}: no such file") from None
             except OSError as e:
                 raise InputError(f"{file}: cannot read it ({e.strerror})") from None
             if info.st_size == 0:
                 raise InputError(f"{file}: empty file: no documents in it; leave it out")
-            inputs.append(Input(str(file), str(file.resolve()), [info.st_size, info.st_mtime_ns], file))
+            stamp = [info.st_size, info.st_mtime_ns]
+            inputs.append(Input(str(file), str(file.resolve()), stamp, file))
     return inputs
+
+
+def listed(path):
+    """Whether a folder's entry is read as an input: files, and what only poses as one (a pipe, a
+    device), to be refused; not folders, nor links that lead nowhere."""
+    try:
+        return not stat.S_ISDIR(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def regular_file(file):
+    """The os.stat of `file`, refused in one line unless it is a regular file. Nothing is opened
+    first: opening a pipe waits for a writer, a device may never end."""
+    try:
+        info = os.stat(file)
+    except FileNotFoundError:
+        raise InputError(f"{file}: no such file") from None
+    except OSError as e:
+        raise InputError(f"{file}: cannot read it ({e.strerror})") from None
+    if stat.S_ISREG(info.st_mode):
+        return info
+    if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):
+        what = "a pipe" if stat.S_ISFIFO(info.st_mode) else "a socket"
+        raise InputError(f"{file}: {what}, not a regular file: its text could be read only once, so "
+                         "an interrupted run could not go on, nor a rerun check that it is unchanged; "
+                         "save it to a file first (e.g. `zcat in.jsonl.gz > in.jsonl`, or pass the "
+                         ".gz file itself)")
+    raise InputError(f"{file}: a device or other special file, not a regular file of text; "
+                     "pass regular files")
+
+
+def unchanged(item, info):
+    """Raise unless `info` (an os.stat) still matches what the run recorded of a local input."""
+    if item.fetch is None and [info.st_size, info.st_mtime_ns] != item.stamp:
+        raise InputError(f"{item.label}: changed while this run was reading it; rerun the same "
+                         "command once it no longer changes")
 
 
 def read_documents(inputs, text_field, start=(0, 0), on_input=None):
@@ -165,19 +218,27 @@ def read_documents(inputs, text_field, start=(0, 0), on_input=None):
 
 
 def file_lines(item, first_line):
-    """(line, bytes) of a text file (one document, line 1) or of each non-blank JSON line."""
+    """(line, bytes) of a text file (one document, line 1) or of each non-blank JSON line; a file
+    that changed since the run began is an error."""
     line = 0
     try:
-        with (gzip.open(item.path, "rb") if item.gzipped else open(item.path, "rb")) as f:
+        with open(item.path, "rb") as raw_file:
+            unchanged(item, os.fstat(raw_file.fileno()))
+            f = gzip.open(raw_file, "rb") if item.gzipped else raw_file
             if item.kind == "text":
-                if text := f.read():  # (an empty one is told by read_documents)
+                text = f.read()
+                unchanged(item, os.fstat(raw_file.fileno()))
+                # (an empty one is told by read_documents)
+                if text:
                     yield 1, text
                 return
             for line, raw in enumerate(f, 1):
-                if line == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark, not JSON
+                # a byte-order mark, not JSON
+                if line == 1 and raw.startswith(b"\xef\xbb\xbf"):
                     raw = raw[3:]
                 if line >= first_line and raw.strip():
                     yield line, raw
+            unchanged(item, os.fstat(raw_file.fileno()))
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         where = f"line {line + 1}: " if item.kind == "jsonl" and line else ""
         raise InputError(f"{item.label}: {where}not a whole gzip file ({e}); fetch it again") from None
@@ -199,6 +260,7 @@ def parquet_rows(item, text_field, first_row):
     pyarrow, parquet = import_pyarrow()
     row = 0
     try:
+        unchanged(item, os.stat(item.path))
         table = parquet.ParquetFile(item.path)
         names = table.schema_arrow.names
         if text_field not in names:
@@ -216,6 +278,7 @@ def parquet_rows(item, text_field, first_row):
                 row += 1
                 if row >= first_row:
                     yield row, value
+        unchanged(item, os.stat(item.path))
     except (pyarrow.ArrowException, OSError) as e:
         raise InputError(f"{item.label}: not a readable Parquet file ({e}); fetch it again") from None
 
@@ -267,34 +330,27 @@ def hub_patterns(repo, readme, config, split):
     return data_files
 
 
-NETWORK_ERRORS = ("ConnectError", "ConnectTimeout", "ReadTimeout", "RemoteProtocolError")  # the HTTP client's
-
-
 def hub_error(exc, repo):
     """One line for a failure inside the hub client: the first cause in the chain that we know."""
     from huggingface_hub import constants
-    from huggingface_hub import errors
 
-    hub, e = constants.ENDPOINT, exc
-    while e is not None:
-        status = 0
-        if isinstance(e, errors.HfHubHTTPError) and e.response is not None:
-            status = e.response.status_code
-        if status in (401, 403):
-            return f"{hub} refused access to {repo} (HTTP {status}): set HF_TOKEN to a token that can read it"
-        if isinstance(e, errors.RepositoryNotFoundError):
-            return f"the dataset {repo} was not found on {hub} (if it is private, set HF_TOKEN)"
-        if isinstance(e, errors.EntryNotFoundError):
-            return f"{repo}: a file is missing on {hub} ({e}); rerun to list the files again"
-        if isinstance(e, errors.OfflineModeIsEnabled):
-            return f"HF_HUB_OFFLINE is set, so {repo} cannot be listed or downloaded; unset it, or pass files"
-        if status:
-            return f"{hub} answered HTTP {status} about {repo}; rerun the same command to go on"
-        if isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in NETWORK_ERRORS:
-            return (f"cannot reach the hub at {hub} ({type(e).__name__}): check the network; "
-                    "HF_ENDPOINT picks a mirror")
-        e = e.__cause__ or e.__context__
-    return f"{repo}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    hub = constants.ENDPOINT
+    what, cause, status = hub_errors.first_known_cause(exc)
+    if what == hub_errors.DENIED:
+        return f"{hub} refused access to {repo} (HTTP {status}): set HF_TOKEN to a token that can read it"
+    if what == hub_errors.NOT_FOUND_REPO:
+        return f"the dataset {repo} was not found on {hub} (if it is private, set HF_TOKEN)"
+    if what == hub_errors.NOT_FOUND_FILE:
+        return f"{repo}: a file is missing on {hub} ({cause}); rerun to list the files again"
+    if what == hub_errors.OFFLINE:
+        return (f"HF_HUB_OFFLINE is set, so {repo} cannot be listed or downloaded; unset it, "
+                "or pass files")
+    if what == hub_errors.HTTP_STATUS:
+        return f"{hub} answered HTTP {status} about {repo}; rerun the same command to go on"
+    if what == hub_errors.UNREACHABLE:
+        return (f"cannot reach the hub at {hub} ({type(cause).__name__}): check the network; "
+                "HF_ENDPOINT picks a mirror")
+    return f"{repo}: {hub_errors.first_line(exc)}"
 
 
 def hub_inputs(repo, config, split, patterns, revision):
@@ -359,14 +415,14 @@ def hub_inputs(repo, config, split, patterns, revision):
 
 
 # Tokenizing (in the worker processes) ------------------------------------------------------------
-ENCODING = None  # each worker's, set by use_encoding
+# each worker's encoding, set by use_encoding
+ENCODING = None
 
 
-def use_encoding(encoding, ignore_interrupts=False):
+def use_encoding(encoding):
+    """Make `encoding` the one encode_chunk uses in this process."""
     global ENCODING
     ENCODING = encoding
-    if ignore_interrupts:  # Ctrl-C reaches the whole process group: the main process alone handles it
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def utf8_problem(raw, error):
@@ -439,35 +495,180 @@ def chunked(documents):
 
 
 def encoded(chunks, encoding, workers, text_field):
-    """(chunk, result of encode_chunk) in input order: in this process for one worker, else on a pool
-    with a bounded number of chunks in flight. A read error comes after the chunks before it."""
+    """(chunk, result of encode_chunk) in input order: in this process for one worker, else on
+    worker processes with a bounded number of chunks in flight. A read error comes after the chunks
+    before it."""
     if workers == 1:
         use_encoding(encoding)
         for chunk in chunks:
             yield chunk, encode_chunk([(kind, payload) for _, _, kind, payload in chunk], text_field)
         return
-    pool = concurrent.futures.ProcessPoolExecutor(workers, initializer=use_encoding,
-                                                  initargs=(encoding, True))
-    pending, read_error = collections.deque(), None
-    try:
+    pending = collections.deque()
+    read_error = None
+    with Workers(workers, encoding, text_field) as pool:
+        sent = 0
         try:
             for chunk in chunks:
                 documents = [(kind, payload) for _, _, kind, payload in chunk]
-                pending.append((chunk, pool.submit(encode_chunk, documents, text_field)))
+                pool.send(sent % workers, documents)
+                pending.append((chunk, sent % workers))
+                sent += 1
                 if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
-                    chunk, job = pending.popleft()
-                    yield chunk, job.result()
+                    chunk, worker = pending.popleft()
+                    yield chunk, pool.receive(worker)
         except InputError as e:
             read_error = e
         while pending:
-            chunk, job = pending.popleft()
-            yield chunk, job.result()
-        if read_error:
-            raise read_error
-    except concurrent.futures.process.BrokenProcessPool:
-        raise InputError("a tokenizing worker died (out of memory?); use fewer --workers") from None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+            chunk, worker = pending.popleft()
+            yield chunk, pool.receive(worker)
+    if read_error:
+        raise read_error
+
+
+class WorkerError(Exception):
+    """A tokenizing process died or failed: the message says which, how, and what to try."""
+
+
+class Workers:
+    """Tokenizing processes, each fed chunks through a pipe of its own, round robin, and answering
+    through another, in order.
+
+    A worker never outlives this process: on Linux the kernel kills it when its parent dies
+    (PR_SET_PDEATHSIG); everywhere, it stops when its pipe from the parent closes, which the parent's
+    death does. A worker that dies is noticed at once (its answer pipe closes), and leaving the
+    `with` block, however it is left, kills what is left of them.
+    """
+
+    def __init__(self, count, encoding, text_field):
+        self.count = count
+        self.processes = []
+        self.tasks = []
+        self.answers = []
+        context = multiprocessing.get_context()
+        forked = context.get_start_method() == "fork"
+        try:
+            for _ in range(count):
+                task_reader, task_writer = context.Pipe(duplex=False)
+                answer_reader, answer_writer = context.Pipe(duplex=False)
+                # a forked worker holds copies of the earlier workers' pipe ends: it closes them
+                inherited = self.tasks + self.answers if forked else None
+                arguments = (task_reader, answer_writer, inherited, os.getpid(), encoding, text_field)
+                process = context.Process(target=work, args=arguments, daemon=True)
+                process.start()
+                task_reader.close()
+                answer_writer.close()
+                self.processes.append(process)
+                self.tasks.append(task_writer)
+                self.answers.append(answer_reader)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.stop(gracefully=exception[0] is None)
+
+    def send(self, worker, documents):
+        try:
+            self.tasks[worker].send(documents)
+        except OSError:
+            raise WorkerError(self.death(worker)) from None
+
+    def receive(self, worker):
+        """The next answer of `worker`: encode_chunk's result."""
+        try:
+            answer = self.answers[worker].recv()
+        except (EOFError, OSError):
+            raise WorkerError(self.death(worker)) from None
+        if answer[0] == "failed":
+            raise WorkerError(f"a tokenizing worker failed ({answer[1]}){self.advice()}")
+        return answer
+
+    def death(self, worker):
+        """One line: which worker died, how, and what to try."""
+        process = self.processes[worker]
+        process.join(timeout=5)
+        if process.exitcode is not None and process.exitcode < 0:
+            how = f"was killed by {signal.Signals(-process.exitcode).name}"
+        elif process.exitcode is not None:
+            how = f"exited with status {process.exitcode}"
+        else:
+            how = "stopped answering"
+        return f"a tokenizing worker (pid {process.pid}) {how}{self.advice()}"
+
+    def advice(self):
+        return (f" (out of memory?): the finished shards are kept; rerun with fewer --workers "
+                f"(this run had {self.count}) to go on")
+
+    def stop(self, gracefully=False):
+        """End every worker: let them finish their pipes when all went well, else kill them now."""
+        for connection in self.tasks:
+            connection.close()
+        if gracefully:
+            for process in self.processes:
+                process.join(timeout=5)
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join(timeout=5)
+        for connection in self.answers:
+            connection.close()
+
+
+def work(tasks, answers, inherited, parent, encoding, text_field):
+    """A worker process: encode the chunks that come through `tasks`, answer through `answers`, until
+    `tasks` closes or the parent is gone."""
+    for connection in inherited or []:
+        connection.close()
+    if inherited is not None:
+        for descriptor in LOCKS:
+            os.close(descriptor)
+    # Ctrl-C and a closed terminal reach the whole process group: the parent alone handles them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # a stop signal sent to this process alone kills it (the parent then says so)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent(parent)
+    use_encoding(encoding)
+    # the pipe from the parent is read at once, so the parent never waits on a send while this
+    # process waits for the parent to take its answer
+    received = queue.Queue()
+    threading.Thread(target=read_tasks, args=(tasks, received), daemon=True).start()
+    while (documents := received.get()) is not None:
+        try:
+            answer = encode_chunk(documents, text_field)
+        except Exception as e:  # noqa: BLE001 - MemoryError, say: told to the parent in one line
+            answer = ("failed", f"{type(e).__name__}: {e}")
+        try:
+            answers.send(answer)
+        except OSError:
+            break
+    os._exit(0)
+
+
+def read_tasks(tasks, received):
+    """Move what comes through `tasks` into `received`; None once the pipe closes."""
+    try:
+        while True:
+            received.put(tasks.recv())
+    except (EOFError, OSError):
+        received.put(None)
+
+
+def die_with_parent(parent):
+    """Have the kernel kill this process when its parent dies (Linux); exit now if it is gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            # PR_SET_PDEATHSIG
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 # Shards ------------------------------------------------------------------------------------------
@@ -480,7 +681,7 @@ class Shard:
 
     def __init__(self, folder, name, index):
         self.index, self.name = index, shard_name(name, index)
-        self.temp = folder / f".{self.name}.tmp"
+        self.temp = temp_path(folder / self.name)
         self.file = open(self.temp, "wb")
         self.file.write(bytes(HEADER_BYTES))  # the header is written once the count is known
         self.tokens = 0
@@ -499,10 +700,8 @@ class Shard:
         if self.tokens > MAX_SHARD_TOKENS:
             raise InputError(f"{self.name} would hold {self.tokens:,} tokens, more than a shard's header "
                              f"can count ({MAX_SHARD_TOKENS:,}): lower --val_tokens")
-        header = np.zeros(HEADER_INTS, dtype="<i4")
-        header[:3] = MAGIC, VERSION, self.tokens
         self.file.seek(0)
-        self.file.write(header.tobytes())
+        self.file.write(shards.header(self.tokens))
         self.file.flush()
         os.fsync(self.file.fileno())  # on disk before the rename makes it visible
         self.file.close()
@@ -638,68 +837,99 @@ def encoding_fingerprint(encoding):
     return f"{encoding.name} {digest.hexdigest()[:16]}"
 
 
+def temp_path(path):
+    """A hidden name beside `path` for its content until whole, naming this host and process, so
+    that no two runs (on one machine or sharing a folder) ever write one file."""
+    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
 def write_json(path, record):
-    temp = path.with_name(f".{path.name}.tmp")
+    temp = temp_path(path)
     temp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(temp, path)
 
 
-def shard_tokens_on_disk(path):
-    """The token count of a whole, valid shard at `path`, else None."""
-    try:
-        with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
-            size = os.fstat(f.fileno()).st_size
-    except OSError:
-        return None
-    if len(header) < HEADER_INTS or header[0] != MAGIC or header[1] != VERSION:
-        return None
-    return int(header[2]) if size == HEADER_BYTES + 2 * int(header[2]) else None
+def plan(out, identity, stamps, disposable=False):
+    """What the folder holds for this dataset: (the recorded shards that can be kept, in order,
+    whether the whole dataset is there, whether its inputs changed since). Refuses a folder holding
+    other shards, unless `disposable` (the folder where a changed dataset is made anew): there,
+    whatever does not match is deleted."""
+    present = our_shards(out, identity["name"], *sorted(p.name for p in out.glob("*.bin")))
+    if disposable:
+        recorded = read_manifest(out)
+        if recorded is None or any(recorded.get(key) != identity[key] for key in identity):
+            delete(out, present)
+            return [], False, False
+        manifest = recorded
+    else:
+        manifest = recorded_manifest(out, identity, present)
+        if manifest is None:
+            return [], False, False
+    if manifest.get("stamps") != stamps:
+        # a finished dataset is kept until the new one is: made beside it
+        if present and not disposable and manifest.get("complete"):
+            return [], False, True
+        delete(out, present)
+        return [], False, False
+    kept = []
+    for shard in manifest.get("shards", []):
+        if shards.token_count(out / shard["file"]) != shard["tokens"]:
+            break
+        kept.append(shard)
+    complete = manifest.get("complete") and len(kept) == len(manifest["shards"])
+    return kept, complete, False
 
 
-def plan(out, identity, stamps):
-    """What the folder holds for this dataset: (the recorded shards that can be kept, in order, whether the
-    whole dataset is there). Refuses a folder holding other shards."""
-    present = sorted(p.name for p in out.glob("*.bin"))
-    ours = our_shards(out, identity["name"], *present)
-    foreign = [file for file in present if file not in ours]
-    present = ours
+def recorded_manifest(out, identity, present):
+    """The manifest in `out` when it records this dataset, None when there is nothing to keep;
+    refuses a folder holding other shards."""
+    every = sorted(p.name for p in out.glob("*.bin"))
+    foreign = [file for file in every if file not in present]
     remedy = "pass another --out (a folder holds one dataset's shards)"
     if foreign:
-        raise FolderError(f"{out} holds shards of another dataset ({foreign[0]}"
-                          f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}): {remedy}")
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise FolderError(f"{out} holds shards of another dataset ({foreign[0]}{more}): {remedy}")
     try:
         manifest = json.loads((out / MANIFEST).read_text())
         recorded = {key: manifest[key] for key in identity}
     except FileNotFoundError:
         if present:
-            raise FolderError(f"{out} holds {present[0]}, which this script did not write (no {MANIFEST} "
-                              f"there): {remedy}, or move the shards away") from None
-        return [], False
+            raise FolderError(f"{out} holds {present[0]}, which this script did not write (no "
+                              f"{MANIFEST} there): {remedy}, or move the shards away") from None
+        return None
     except (OSError, ValueError, KeyError, TypeError):
-        if not present:  # no shard to keep: the record of a run that stopped before its first shard
-            return [], False
+        # no shard to keep: the record of a run that stopped before its first shard
+        if not present:
+            return None
         raise FolderError(f"{out / MANIFEST} is not the record this script writes: {remedy}") from None
     if recorded != identity and present:
-        differs = [f"the name {recorded['name']!r}"] if recorded["name"] != identity["name"] else []
-        differs += ["other inputs"] if recorded["inputs"] != identity["inputs"] else []
-        differs += [f"--{option} {recorded['options'].get(option)}" for option in identity["options"]
-                    if recorded["options"].get(option) != identity["options"][option]]
-        raise FolderError(f"{out} holds shards made with {', '.join(differs)} (see {MANIFEST}): {remedy}, "
-                          "or delete that folder to make it again")
-    if recorded != identity or manifest.get("stamps") != stamps:  # no shard yet, or an input changed since
-        if present:
-            print(f"an input changed since the shards in {out} were made: making them again", file=sys.stderr)
-        for file in present:
-            (out / file).unlink()
-        return [], False
-    kept = []
-    for shard in manifest.get("shards", []):
-        if shard_tokens_on_disk(out / shard["file"]) != shard["tokens"]:
-            break
-        kept.append(shard)
-    complete = manifest.get("complete") and len(kept) == len(manifest["shards"])
-    return kept, complete
+        differs = []
+        if recorded["name"] != identity["name"]:
+            differs.append(f"the name {recorded['name']!r}")
+        if recorded["inputs"] != identity["inputs"]:
+            differs.append("other inputs")
+        for option in identity["options"]:
+            if recorded["options"].get(option) != identity["options"][option]:
+                differs.append(f"--{option} {recorded['options'].get(option)}")
+        raise FolderError(f"{out} holds shards made with {', '.join(differs)} (see {MANIFEST}): "
+                          f"{remedy}, or delete that folder to make it again")
+    if recorded != identity:
+        return None
+    return manifest
+
+
+def read_manifest(folder):
+    """The manifest in `folder`, or None where there is none or it cannot be read."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def delete(folder, files):
+    for file in files:
+        (folder / file).unlink()
 
 
 def our_shards(out, name, *files):
@@ -709,17 +939,71 @@ def our_shards(out, name, *files):
     return sorted(file for file in files if ours.fullmatch(file))
 
 
+def remove_debris(folder, name):
+    """Delete the temporary files of runs that were killed (the lock says none is running)."""
+    ours = rf"{re.escape(name)}_(val_000000|train_\d{{6}})\.bin|{re.escape(MANIFEST)}|{OWNER}"
+    debris = re.compile(rf"\.({ours})(\..+)?\.tmp")
+    for path in folder.glob(".*.tmp"):
+        if debris.fullmatch(path.name):
+            path.unlink()
+
+
+def swap(out, staging, manifest):
+    """Put the complete dataset made in `staging` in place of the one in `out`; done again after an
+    interruption, it finishes what was left."""
+    for shard in manifest["shards"]:
+        if (staging / shard["file"]).exists():
+            os.replace(staging / shard["file"], out / shard["file"])
+    written = {shard["file"] for shard in manifest["shards"]}
+    delete(out, sorted(set(our_shards(out, manifest["name"])) - written))
+    write_json(out / MANIFEST, manifest)
+    shutil.rmtree(staging)
+
+
 def lock(out):
-    """Two runs must not write one folder. The descriptor stays open: the lock ends with the process."""
+    """Two runs must not write one folder: take its lock, and record this run as its owner. The
+    descriptor stays open: the lock ends with the process (worker processes close their copy)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         descriptor = os.open(out, os.O_RDONLY)
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise FolderError(f"another run is writing to {out}; wait for it to finish") from None
     except OSError as e:
         raise FolderError(f"cannot use the output folder {out} ({e.strerror}): pick another --out") from None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        owner = read_owner(out)
+        if owner is None:
+            raise FolderError(f"another run is writing to {out}; wait for it to finish") from None
+        raise FolderError(f"another run ({owner}) is writing to {out}; wait for it to finish, "
+                          "or stop it") from None
+    except OSError as e:
+        os.close(descriptor)
+        raise FolderError(f"cannot use the output folder {out} ({e.strerror}): pick another --out") from None
+    LOCKS.append(descriptor)
+    owner = read_owner(out)
+    if owner is not None:
+        print(f"the run that was writing to {out} ({owner}) is gone: taking over its lock, going on "
+              "from its finished shards", file=sys.stderr)
+    write_json(out / OWNER, {"host": socket.gethostname(), "pid": os.getpid()})
     return descriptor
+
+
+def read_owner(out):
+    """Who holds (or held, if it ended without letting go) the folder's lock: 'pid N on HOST'."""
+    try:
+        owner = json.loads((out / OWNER).read_text())
+        return f"pid {int(owner['pid'])} on {owner['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def unlock(out, descriptor):
+    try:
+        (out / OWNER).unlink(missing_ok=True)
+    finally:
+        LOCKS.remove(descriptor)
+        os.close(descriptor)
 
 
 # The run -----------------------------------------------------------------------------------------
@@ -731,51 +1015,80 @@ def progress_bar(inputs):
 
 def convert(inputs, out, name, encoding, workers=1, val_tokens=DEFAULT_VAL_TOKENS,
             shard_tokens=DEFAULT_SHARD_TOKENS, text_field="text"):
-    """Write the shards of `inputs` into `out`, going on from where an interrupted run stopped; return the
-    manifest, and the tokens made in this run (None: all were there already). Raises InputError or
-    FolderError for what the user can fix."""
-    identity = {"name": name, "inputs": [item.key for item in inputs],
-                "options": {"val_tokens": val_tokens, "shard_tokens": shard_tokens, "text_field": text_field,
-                            "tokenizer": encoding_fingerprint(encoding)}}
+    """Write the shards of `inputs` into `out`, going on from where an interrupted run stopped;
+    return the manifest, and the tokens made in this run (None: all were there already). Raises
+    InputError, FolderError or WorkerError for what the user can fix.
+
+    When an input changed since the shards in `out` were made, the new ones are made beside them
+    (in STAGING) and put in their place only once complete: until then, and after an error, `out`
+    holds the old dataset as it was."""
+    options = {"val_tokens": val_tokens, "shard_tokens": shard_tokens, "text_field": text_field,
+               "tokenizer": encoding_fingerprint(encoding)}
+    identity = {"name": name, "inputs": [item.key for item in inputs], "options": options}
     stamps = [item.stamp for item in inputs]
     descriptor = lock(out)
+    staging = out / STAGING
     try:
-        for debris in out.glob(".*.bin.tmp"):  # of a killed run (the lock says none is running)
-            if debris.name[1:-4] in our_shards(out, name, debris.name[1:-4]):
-                debris.unlink()
-        kept, complete = plan(out, identity, stamps)
+        remove_debris(out, name)
+        if staging.is_dir():
+            remove_debris(staging, name)
+            staged = read_manifest(staging)
+            finished = {**identity, "stamps": stamps, "complete": True}
+            if staged is not None and all(staged.get(key) == finished[key] for key in finished):
+                # an interrupted swap
+                swap(out, staging, staged)
+                return staged, None
+        kept, complete, changed = plan(out, identity, stamps)
+        folder = out
+        if changed:
+            print(f"an input changed since the shards in {out} were made: making them again in "
+                  f"{staging}; the old ones stay until the new ones are complete", file=sys.stderr)
+            staging.mkdir(exist_ok=True)
+            folder = staging
+            kept, complete, _ = plan(staging, identity, stamps, disposable=True)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
         manifest = {**identity, "stamps": stamps, "shards": kept, "complete": complete}
         if complete:
             return manifest, None
-        write_json(out / MANIFEST, manifest)
-        made = run(inputs, out, manifest, encoding, workers)
+        write_json(folder / MANIFEST, manifest)
+        try:
+            made = run(inputs, folder, manifest, encoding, workers)
+        except InputError:
+            if folder == staging:
+                # the old dataset stays, as it was
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
         written = {shard["file"] for shard in manifest["shards"]}
-        for stale in set(our_shards(out, name)) - written:  # left by an earlier run with more shards
-            (out / stale).unlink()
+        # left by an earlier run with more shards
+        delete(folder, sorted(set(our_shards(folder, name)) - written))
         manifest["complete"] = True
-        write_json(out / MANIFEST, manifest)
+        write_json(folder / MANIFEST, manifest)
+        if folder == staging:
+            swap(out, staging, manifest)
         return manifest, made
     finally:
-        os.close(descriptor)
+        unlock(out, descriptor)
 
 
 def run(inputs, out, manifest, encoding, workers):
     """Tokenize the inputs from the first document after the kept shards, writing shards as they fill;
     return the count of tokens written."""
-    options, shards = manifest["options"], manifest["shards"]
+    options = manifest["options"]
+    finished = manifest["shards"]
 
     def place(where):
         item = inputs[where[0]]
         return f"{item.label}: {'row' if item.kind == 'parquet' else 'line'} {where[1]}"
 
     def publish(shard):
-        shards.append({"file": shard.name, "tokens": shard.tokens, "documents": len(shard.lengths),
+        finished.append({"file": shard.name, "tokens": shard.tokens, "documents": len(shard.lengths),
                        "end": list(shard.end)})
         write_json(out / MANIFEST, manifest)
 
-    start = tuple(shards[-1]["end"]) if shards else (0, 0)
+    start = tuple(finished[-1]["end"]) if finished else (0, 0)
     writer = ShardWriter(out, manifest["name"], options["val_tokens"], options["shard_tokens"], place,
-                         publish, first_index=len(shards))
+                         publish, first_index=len(finished))
     bar = progress_bar(inputs)
     began, tokens_done = time.perf_counter(), 0
 
@@ -784,20 +1097,23 @@ def run(inputs, out, manifest, encoding, workers):
 
     try:
         documents = read_documents(inputs, options["text_field"], start, on_input)
-        for chunk, result in encoded(chunked(documents), encoding, workers, options["text_field"]):
-            if result[0] == "error":
-                _, i, line, message = result
-                index, document_line = chunk[i][:2]
-                raise InputError(f"{place((index, line or document_line))}: {message}")
-            _, tokens, lengths = result
-            offset = 0
-            for (index, line, _, _), length in zip(chunk, lengths):
-                writer.add(tokens[offset:offset + length], (index, line))
-                offset += length
-            tokens_done += offset
-            rate = tokens_done / max(time.perf_counter() - began, 1e-9)
-            bar.set_postfix_str(f"{tokens_done:,} tokens, {rate:,.0f} tokens/s", refresh=False)
-            bar.update(len(chunk))
+        results = encoded(chunked(documents), encoding, workers, options["text_field"])
+        # closed on the way out, however it is left: its worker processes end with it
+        with contextlib.closing(results):
+            for chunk, result in results:
+                if result[0] == "error":
+                    _, i, line, message = result
+                    index, document_line = chunk[i][:2]
+                    raise InputError(f"{place((index, line or document_line))}: {message}")
+                _, tokens, lengths = result
+                offset = 0
+                for (index, line, _, _), length in zip(chunk, lengths):
+                    writer.add(tokens[offset:offset + length], (index, line))
+                    offset += length
+                tokens_done += offset
+                rate = tokens_done / max(time.perf_counter() - began, 1e-9)
+                bar.set_postfix_str(f"{tokens_done:,} tokens, {rate:,.0f} tokens/s", refresh=False)
+                bar.update(len(chunk))
         writer.finish((len(inputs), 0))
     except BaseException:
         writer.discard()
@@ -906,7 +1222,7 @@ def main(argv=None, encoding=None):
         encoding = encoding or gpt2_encoding(args.tokenizer)
         manifest, made = convert(inputs, args.out, args.name, encoding, args.workers, args.val_tokens,
                                  args.shard_tokens, args.text_field)
-    except (InputError, FolderError, TokenizerError) as e:
+    except (InputError, FolderError, TokenizerError, WorkerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # writing the shards: a full disk, say

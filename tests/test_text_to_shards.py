@@ -9,16 +9,16 @@ import subprocess
 import sys
 import zlib
 
+import gpt2_tokenizer
 import numpy as np
 import pytest
+import text_to_shards
 import tiktoken
-from conftest import REPO, finished_log
+from conftest import REPO
+from conftest import finished_log
+from tiktoken_ext.openai_public import r50k_pat_str
 
 import train_gpt
-
-sys.path[:0] = [str(REPO / "data"), str(REPO / "tests")]
-import gpt2_tokenizer  # noqa: E402
-import text_to_shards  # noqa: E402
 
 RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
 needs_ranks = pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
@@ -52,7 +52,7 @@ def byte_encoding(big_id_for=None):
     ranks = {bytes([b]): b for b in range(256)}
     if big_id_for:
         ranks[big_id_for] = 70_000
-    return tiktoken.Encoding("bytes", pat_str=gpt2_tokenizer.GPT2_PATTERN, mergeable_ranks=ranks,
+    return tiktoken.Encoding("bytes", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT})
 
 
@@ -373,13 +373,13 @@ configs:
 """
 
 # the command line in a fresh process (huggingface_hub reads HF_ENDPOINT on import), with the byte encoding
-HUB_RUN = f"""
+HUB_RUN = """
 import sys, tiktoken
-sys.path.insert(0, {str(REPO / "data")!r})
-import gpt2_tokenizer, text_to_shards
-ranks = {{bytes([b]): b for b in range(256)}}
-encoding = tiktoken.Encoding("bytes", pat_str=gpt2_tokenizer.GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={{"<|endoftext|>": 50256}})
+from tiktoken_ext.openai_public import r50k_pat_str
+import text_to_shards
+ranks = {bytes([b]): b for b in range(256)}
+encoding = tiktoken.Encoding("bytes", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256})
 sys.exit(text_to_shards.main(sys.argv[1:], encoding=encoding))
 """
 
@@ -394,7 +394,8 @@ def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
     # another config's file
     hub.add("data/CC-MAIN-2024/000.jsonl.gz", gzip.compress(json_lines(documents).encode()))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DOWNLOAD_TIMEOUT="5")
+    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DOWNLOAD_TIMEOUT="5",
+               PYTHONPATH=str(REPO / "data"))
     command = [sys.executable, "-c", HUB_RUN, "--hub", "someone/corpus", "--hub_config", "sample-10BT",
                "--name", "edu", "--out", str(tmp_path / "out"), "--val_tokens", "100", "--workers", "1"]
     try:

@@ -1,5 +1,6 @@
-"""A small stand-in for the Hugging Face hub's file-download protocol, for offline tests of
-data/cached_fineweb10B.py (used by tests/test_fetch.py and data/fetch_bench.py).
+"""A small stand-in for the Hugging Face hub's file-download protocol, for offline tests and
+measurements of data/cached_fineweb10B.py and data/text_to_shards.py (used by data/fetch_bench.py
+and the tests).
 
 What huggingface_hub's hf_hub_download does for a dataset file (checked against 2.4.0):
 1. HEAD {endpoint}/datasets/{repo}/resolve/{revision}/{filename}, redirects not followed
@@ -13,9 +14,9 @@ Sending X-Xet-Hash (or a Link rel="xet-auth") would switch the client to the Xet
 so this server never sends either: downloads stay plain HTTP.
 
 The one API call the fetch script makes besides (checked against 2.4.0):
-HfApi.dataset_info(repo, files_metadata=True): GET {endpoint}/api/datasets/{repo}?blobs=True, answered
-with JSON {"id", "sha", "siblings": [{"rfilename", "size", "blobId", "lfs": {"sha256", "size",
-"pointerSize"}}]}: the commit, and the size and published sha256 of every LFS file.
+HfApi.dataset_info(repo, files_metadata=True): GET {endpoint}/api/datasets/{repo}?blobs=True,
+answered with JSON {"id", "sha", "siblings": [{"rfilename", "size", "blobId", "lfs": {"sha256",
+"size", "pointerSize"}}]}: the commit, and the size and published sha256 of every LFS file.
 
 Two listeners share one state: the hub (serves /resolve/) and a "CDN" on another port, so a
 302 from one to the other crosses origins the way huggingface.co -> CDN does.
@@ -36,8 +37,10 @@ import json
 import re
 import socket
 import threading
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
+from dataclasses import field
+from http.server import BaseHTTPRequestHandler
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -120,8 +123,10 @@ class Request:
 @dataclass
 class FakeHub:
     repo: str = "kjj0/fineweb10B-gpt2"
-    redirect: bool = True  # answer /resolve/ with a 302 to the CDN listener, as the hub does for big files
-    refuse: int | None = None  # answer every hub request with this status (401, 403), as without a token
+    # answer /resolve/ with a 302 to the CDN listener, as the hub does for big files
+    redirect: bool = True
+    # answer every hub request with this status (401, 403), as without a token
+    refuse: int | None = None
     files: dict[str, Entry] = field(default_factory=dict)
     log: list[Request] = field(default_factory=list)
 
@@ -157,8 +162,10 @@ class FakeHub:
                 content = (MAGIC + 1).to_bytes(4, "little") + content[4:]
             entry = Entry(None, bytes(content), mode, cut, then)
         published = entry.sha256()
-        if mode == "tampered":  # change two token bytes after the hash was published
-            entry.data = content[:1030] + bytes(b ^ 0xFF for b in content[1030:1032]) + content[1032:]
+        # change two token bytes after the hash was published
+        if mode == "tampered":
+            flipped = bytes(b ^ 0xFF for b in content[1030:1032])
+            entry.data = content[:1030] + flipped + content[1032:]
         with self._lock:
             self.files[name] = entry
             self._etags[name] = published
