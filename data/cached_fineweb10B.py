@@ -208,7 +208,8 @@ def run(args) -> int:
     try:
         fetched, errors = fetch(repo, dest, names, args)
     except Exception as e:  # noqa: BLE001 - e.g. the hub is unreachable
-        fetched, errors = [], [explain(e, repo, dest)]
+        fetched = []
+        errors = [explain(e, repo, dest)]
     finally:
         shutil.rmtree(dest / STAGING, ignore_errors=True)
     # all checked by now
