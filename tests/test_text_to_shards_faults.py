@@ -13,10 +13,9 @@ import time
 
 import numpy as np
 import pytest
+import text_to_shards
 import tiktoken
 from conftest import REPO
-
-import text_to_shards
 
 WORDS = ["the", "speedrun", "na\u00efve", "token", "shard", "d\u00e9j\u00e0", "42"]
 OPTIONS = ["--val_tokens", "300", "--shard_tokens", "2000"]
@@ -71,7 +70,8 @@ def file_bytes(folder):
 
 
 def start(paths, out, tmp_path, workers=2, slow=0.05):
-    """The command line in its own process and session, slowed down; (process, worker pid folder)."""
+    """The command line in its own process and session, slowed down; (process, folder of worker
+    pids)."""
     workers_dir = tmp_path / f"workers{time.monotonic_ns()}"
     workers_dir.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO / "data"), "WORKERS_DIR": str(workers_dir),
@@ -140,7 +140,8 @@ needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /
 # Processes ---------------------------------------------------------------------------------------
 @needs_proc
 @pytest.mark.slow
-def test_a_killed_worker_ends_the_run_in_one_line_and_a_rerun_gives_the_same_bytes(tmp_path, corpus):
+def test_a_killed_worker_ends_the_run_in_one_line_and_a_rerun_gives_the_same_bytes(tmp_path,
+                                                                                    corpus):
     paths, whole = corpus
     out = tmp_path / "out"
     process, workers_dir = start(paths, out, tmp_path)
@@ -203,8 +204,8 @@ def test_a_running_owner_keeps_its_lock(tmp_path, corpus, capsys):
         assert make(paths, out) == 1
         last = capsys.readouterr().err.strip().splitlines()[-1]
         owner = f"pid {process.pid} on {socket.gethostname()}"
-        assert last == f"error: another run ({owner}) is writing to {out}; wait for it to finish, " \
-                       "or stop it"
+        expected = f"error: another run ({owner}) is writing to {out}; wait for it to finish, or "
+        assert last == expected + "stop it"
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         finish(process)
