@@ -1059,6 +1059,10 @@ def lock(out):
         owner = read_owner(out)
         if owner is None:
             raise FolderError(f"another run is writing to {out}; wait for it to finish") from None
+        if owner_is_gone(out):
+            raise FolderError(f"the run that was writing to {out} ({owner}) is gone, but processes "
+                              "it started still hold the folder's lock: stop them (e.g. `fuser -k "
+                              f"{out}`), then rerun") from None
         raise FolderError(f"another run ({owner}) is writing to {out}; wait for it to finish, "
                           "or stop it") from None
     except OSError as e:
@@ -1084,6 +1088,20 @@ def read_owner(out):
         return f"pid {int(owner['pid'])} on {owner['host']}"
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def owner_is_gone(out):
+    """Whether the recorded owner of the folder's lock ran on this host and is no longer alive."""
+    try:
+        owner = json.loads((out / OWNER).read_text())
+        if owner["host"] != socket.gethostname():
+            return False
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return False
 
 
 def unlock(out, descriptor):

@@ -310,3 +310,46 @@ def test_a_device_as_input_is_refused_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: {refused}: a device or other special file"), err
         assert "\n" not in err
+
+
+@pytest.mark.slow
+def test_a_worker_that_fails_ends_the_run_in_one_line(tmp_path, corpus, capsys, monkeypatch):
+    paths, whole = corpus
+
+    def out_of_memory(documents, text_field):
+        raise MemoryError("cannot allocate")
+
+    # the forked workers run the patched function
+    monkeypatch.setattr(text_to_shards, "encode_chunk", out_of_memory)
+    assert make(paths, tmp_path / "out", workers=2) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: a tokenizing worker failed (MemoryError: cannot allocate)"), last
+    assert "fewer --workers" in last
+    assert not [path for path in (tmp_path / "out").iterdir() if path.suffix == ".tmp"]
+
+
+@needs_proc
+@pytest.mark.slow
+def test_a_lock_held_by_what_a_dead_run_left_says_what_to_stop(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    # a process holding the folder's lock whose recorded owner is a run that has ended
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; "
+                               "fcntl.flock(os.open(sys.argv[1], os.O_RDONLY), fcntl.LOCK_EX); "
+                               "print('held', flush=True); time.sleep(60)", str(out)],
+                              stdout=subprocess.PIPE, text=True)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        owner = {"host": socket.gethostname(), "pid": int(ended.stdout)}
+        (out / ".text_to_shards.owner").write_text(json.dumps(owner))
+        write_corpus(tmp_path / "a.jsonl", 20)
+        assert make([tmp_path / "a.jsonl"], out) == 1
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        owner_line = f"pid {ended.stdout.strip()} on {socket.gethostname()}"
+        expected = f"error: the run that was writing to {out} ({owner_line}) is gone, but processes"
+        assert last.startswith(expected), last
+    finally:
+        holder.kill()
+        holder.wait()
