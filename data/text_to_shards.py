@@ -1073,7 +1073,12 @@ def lock(out):
     if owner is not None:
         print(f"the run that was writing to {out} ({owner}) is gone: taking over its lock, going "
               "on from its finished shards", file=sys.stderr)
-    write_json(out / OWNER, {"host": socket.gethostname(), "pid": os.getpid()})
+    try:
+        write_json(out / OWNER, {"host": socket.gethostname(), "pid": os.getpid()})
+    except OSError as e:
+        LOCKS.remove(descriptor)
+        os.close(descriptor)
+        raise FolderError(unusable(out, e)) from None
     return descriptor
 
 
