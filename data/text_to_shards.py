@@ -48,7 +48,7 @@ How it works, and why:
   place (os.replace) only once whole, so a shard name only ever holds a complete shard; Ctrl-C
   keeps the shards already finished.
 - Rerunning the same command after an interruption keeps the finished shards (when no input has
-  changed since: size and modification time) and goes on from the first document after them,
+  changed since: size, modification and change time) and goes on from the first document after them,
   giving the same files as one run. When an input changed since a finished dataset was made, the
   new one is made beside it (in .text_to_shards.next/) and takes its place only once complete, so
   an error or an interruption leaves the old one as it was. A folder holding other shards (another
@@ -178,7 +178,7 @@ def local_inputs(paths, out):
                 raise InputError(f"{file}: cannot read it ({e.strerror})") from None
             if info.st_size == 0:
                 raise InputError(f"{file}: empty file: no documents in it; leave it out")
-            stamp = [info.st_size, info.st_mtime_ns]
+            stamp = [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
             inputs.append(Input(str(file), str(file.resolve()), stamp, file))
     return inputs
 
@@ -215,7 +215,7 @@ def regular_file(file):
 
 def unchanged(item, info):
     """Raise unless `info` (an os.stat) still matches what the run recorded of a local input."""
-    if item.fetch is None and [info.st_size, info.st_mtime_ns] != item.stamp:
+    if item.fetch is None and [info.st_size, info.st_mtime_ns, info.st_ctime_ns] != item.stamp:
         raise InputError(f"{item.label}: changed while this run was reading it; rerun the same "
                          "command once it no longer changes")
 
@@ -948,7 +948,7 @@ def plan(out, identity, stamps, disposable=False):
         manifest = recorded_manifest(out, identity, present)
         if manifest is None:
             return [], False, False
-    if manifest.get("stamps") != stamps:
+    if not same_stamps(manifest.get("stamps"), stamps):
         # a finished dataset is kept until the new one is: made beside it
         if present and not disposable and manifest.get("complete"):
             return [], False, True
@@ -961,6 +961,16 @@ def plan(out, identity, stamps, disposable=False):
         kept.append(shard)
     complete = manifest.get("complete") and len(kept) == len(manifest["shards"])
     return kept, complete, False
+
+
+def same_stamps(recorded, stamps):
+    """Whether no input changed since `recorded` (a manifest's stamps) was taken. A local file's
+    stamp is [size, mtime, ctime]: a change of content that keeps size and modification time (set
+    back on purpose) still moves the ctime. Older manifests recorded [size, mtime] only."""
+    if not isinstance(recorded, list) or len(recorded) != len(stamps):
+        return False
+    pairs = zip(recorded, stamps)
+    return all(isinstance(old, list) and old == new[:len(old)] for old, new in pairs)
 
 
 def recorded_manifest(out, identity, present):
@@ -1144,8 +1154,9 @@ def convert(inputs, out, name, encoding, workers=1, val_tokens=DEFAULT_VAL_TOKEN
         if staging.is_dir():
             remove_debris(staging, name)
             staged = read_manifest(staging)
-            finished = {**identity, "stamps": stamps, "complete": True}
-            if staged is not None and all(staged.get(key) == finished[key] for key in finished):
+            finished = {**identity, "complete": True}
+            matches = staged is not None and same_stamps(staged.get("stamps"), stamps)
+            if matches and all(staged.get(key) == finished[key] for key in finished):
                 # an interrupted swap
                 swap(out, staging, staged)
                 return staged, None

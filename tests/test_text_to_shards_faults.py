@@ -278,6 +278,24 @@ def test_an_interrupted_swap_is_finished_by_the_rerun(tmp_path, corpus, monkeypa
     assert file_bytes(out) == file_bytes(tmp_path / "fresh")
 
 
+def test_a_change_that_keeps_size_and_modification_time_is_seen(tmp_path, corpus, capsys):
+    paths, whole = corpus
+    out = tmp_path / "out"
+    assert make(paths, out) == 0
+    before = os.stat(paths[0])
+    text = paths[0].read_bytes()
+    # one word for another of the same length, and the modification time set back
+    changed = text.replace(b"token", b"shard", 1)
+    assert changed != text and len(changed) == len(text)
+    paths[0].write_bytes(changed)
+    os.utime(paths[0], ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert make(paths, tmp_path / "fresh") == 0
+    capsys.readouterr()
+    assert make(paths, out) == 0
+    assert "an input changed since the shards" in capsys.readouterr().err
+    assert file_bytes(out) == file_bytes(tmp_path / "fresh") != whole
+
+
 def test_an_input_changed_while_it_is_read_is_one_line(tmp_path, corpus, capsys):
     paths, _ = corpus
     inputs = text_to_shards.local_inputs(paths, tmp_path / "out")
