@@ -37,6 +37,7 @@ LAUNCH_TIME = time.time()
 import argparse
 import contextlib
 import datetime
+import filecmp
 import glob
 import hashlib
 import importlib.metadata
@@ -1219,17 +1220,8 @@ def prepare_shards(args, split, num_tokens):
     return glob.escape(str(path))
 
 def same_contents(path, other):
-    """Whether two files hold the same bytes: one file under two names, or equal when read side
-    by side up to the first difference (shards of other text differ in their first MiB: cheap)."""
-    if os.path.samefile(path, other):
-        return True
-    with open(path, "rb") as a, open(other, "rb") as b:
-        while True:
-            chunk = a.read(2 ** 20)
-            if chunk != b.read(2 ** 20):
-                return False
-            if not chunk:
-                return True
+    """Whether two files hold the same bytes: one file under two names, or equal byte for byte."""
+    return os.path.samefile(path, other) or filecmp.cmp(path, other, shallow=False)
 
 def build_loaders(args, rank, world_size, device, val_batch):
     """The train and val loaders, after checking from the shards' headers that the data suffices."""

@@ -32,21 +32,24 @@ How it works, and why:
 """
 
 import argparse
-import errno
 import fcntl
 import hashlib
 import os
 import shutil
 import signal
-import struct
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import as_completed
 from pathlib import Path
 
+import hub_errors
+import shards
+
 HERE = Path(__file__).resolve().parent
-STAGING = ".incoming"  # hidden, so the trainer's file patterns never match what is in it
-MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 256 * 4
+# hidden, so the trainer's file patterns never match what is in it
+STAGING = ".incoming"
+HEADER_BYTES = shards.HEADER_BYTES
 # --dataset name (also the default folder, data/<name>/): hub repository, file prefix, train shards
 DATASETS = {
     "fineweb10B": ("kjj0/fineweb10B-gpt2", "fineweb", 103),
@@ -56,52 +59,58 @@ DATASETS = {
 
 
 def problem(path: Path, sha256: str | None = None) -> str | None:
-    """What is wrong with the shard at `path`: its header and size, and its sha256 when one is given."""
+    """What is wrong with the shard at `path`: its header and size, and its sha256 when one is
+    given."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         header = f.read(HEADER_BYTES)
-        magic, version, tokens = struct.unpack_from("<3i", header.ljust(12, b"\0"))
-        if (magic, version) != (MAGIC, VERSION):
-            return f"not a valid shard (magic number {magic}, version {version}; expected {MAGIC}, {VERSION})"
-        if tokens < 0 or size != HEADER_BYTES + 2 * tokens:
-            return f"not a valid shard ({size} bytes, but the header promises {tokens} tokens)"
+        if why := shards.header_problem(header, size):
+            return why
         if sha256 is None:
             return None
         digest = hashlib.sha256(header)
         while block := f.read(1 << 24):
             digest.update(block)
     got = digest.hexdigest()
-    return None if got == sha256 else f"sha256 {got[:16]}... is not the hub's {sha256[:16]}..."
+    if got == sha256:
+        return None
+    return f"sha256 {got[:16]}... is not the hub's {sha256[:16]}..."
 
 
 def human(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n:,.0f} bytes"
+    """A byte count as people read it."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} MB"
+    return f"{n:,.0f} bytes"
 
 
 def explain(exc: BaseException, repo: str, dest: Path) -> str:
     """One line for a failure inside the hub client: the first cause in the chain that we know."""
-    from huggingface_hub import constants, errors
-    from huggingface_hub.utils import httpx
+    from huggingface_hub import constants
 
-    hub, kept = constants.ENDPOINT, f"the shards already in {dest} are kept"
-    e = exc
-    while e is not None:
-        status = e.response.status_code if isinstance(e, errors.HfHubHTTPError) and e.response is not None else 0
-        if status in (401, 403):
-            return f"{hub} refused access to {repo} (HTTP {status}): set HF_TOKEN to a token that can read it; {kept}"
-        if isinstance(e, errors.RepositoryNotFoundError):
-            return f"the dataset {repo} was not found on {hub} (if it is private, set HF_TOKEN); {kept}"
-        if status:
-            return f"{hub} answered HTTP {status} while sending {repo}; {kept}, rerun the same command to continue"
-        if isinstance(e, errors.OfflineModeIsEnabled):
-            return f"HF_HUB_OFFLINE is set, so the missing shards cannot be downloaded; {kept}"
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            free = human(shutil.disk_usage(dest).free)
-            return f"the disk is full ({e.strerror}; {free} free in {dest}); partial files were removed, {kept}"
-        if isinstance(e, (httpx.TransportError, ConnectionError, TimeoutError)):
-            return f"cannot reach the hub at {hub} ({type(e).__name__}: {e}); {kept}. HF_ENDPOINT picks a mirror"
-        e = e.__cause__ or e.__context__
-    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}; {kept}"
+    hub = constants.ENDPOINT
+    kept = f"the shards already in {dest} are kept"
+    what, cause, status = hub_errors.first_known_cause(exc)
+    if what == hub_errors.DENIED:
+        return (f"{hub} refused access to {repo} (HTTP {status}): set HF_TOKEN to a token that can "
+                f"read it; {kept}")
+    if what == hub_errors.NOT_FOUND_REPO:
+        return f"the dataset {repo} was not found on {hub} (if it is private, set HF_TOKEN); {kept}"
+    if what in (hub_errors.HTTP_STATUS, hub_errors.NOT_FOUND_FILE) and status:
+        return (f"{hub} answered HTTP {status} while sending {repo}; {kept}, rerun the same "
+                "command to continue")
+    if what == hub_errors.OFFLINE:
+        return f"HF_HUB_OFFLINE is set, so the missing shards cannot be downloaded; {kept}"
+    if what == hub_errors.DISK_FULL:
+        free = human(shutil.disk_usage(dest).free)
+        return (f"the disk is full ({cause.strerror}; {free} free in {dest}); partial files were "
+                f"removed, {kept}")
+    if what == hub_errors.UNREACHABLE:
+        return (f"cannot reach the hub at {hub} ({type(cause).__name__}: {cause}); {kept}. "
+                "HF_ENDPOINT picks a mirror")
+    return f"{hub_errors.first_line(exc)}; {kept}"
 
 
 def usable(path: Path, sha256: str | None = None) -> bool:
@@ -113,41 +122,54 @@ def usable(path: Path, sha256: str | None = None) -> bool:
 
 
 def fetch_one(repo: str, commit: str, name: str, sha256: str, dest: Path) -> str | None:
-    """Download one shard into .incoming/, check it, rename it into place; return an error line, if any."""
+    """Download one shard into .incoming/, check it, rename it into place; return an error line, if
+    any."""
     from huggingface_hub import hf_hub_download
 
     # The client writes to a temporary file of its own and gives it this name once complete.
-    path = Path(hf_hub_download(repo, name, repo_type="dataset", revision=commit, local_dir=dest / STAGING))
+    downloaded = hf_hub_download(repo, name, repo_type="dataset", revision=commit,
+                                 local_dir=dest / STAGING)
+    path = Path(downloaded)
     if why := problem(path, sha256):
         path.unlink()
         return f"{name} from {repo}: {why}; it was deleted"
-    with open(path, "rb") as f:  # on disk before the rename makes it visible
+    # on disk before the rename makes it visible
+    with open(path, "rb") as f:
         os.fsync(f.fileno())
     os.replace(path, dest / name)
 
 
 def fetch(repo: str, dest: Path, names: list[str], args) -> tuple[list[str], list[str]]:
     """Make `names` present and valid in `dest`; return the names downloaded and error lines."""
-    missing = [n for n in names if not (dest / n).exists() or not usable(dest / n)]  # no network for these...
+    # no network for these...
+    missing = [n for n in names if not (dest / n).exists() or not usable(dest / n)]
     if not missing and not args.verify:
         return [], []
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import HfApi
+    from huggingface_hub import constants
 
     info = HfApi().dataset_info(repo, files_metadata=True)
     # Shards are LFS files: for those the hub publishes size and sha256.
     files = {f.rfilename: f for f in info.siblings if f.lfs is not None}
-    if args.verify:  # ... unless asked
-        missing += [n for n in names if n not in missing and n in files and not usable(dest / n, files[n].lfs.sha256)]
-    errors = [f"{n} was not found in the dataset {repo} on {constants.ENDPOINT}" for n in missing if n not in files]
+    # ... unless asked
+    if args.verify:
+        missing += [n for n in names if n not in missing and n in files
+                    and not usable(dest / n, files[n].lfs.sha256)]
+    errors = [f"{n} was not found in the dataset {repo} on {constants.ENDPOINT}"
+              for n in missing if n not in files]
     todo = [n for n in names if n in missing and n in files]
-    need, free = sum(files[n].size for n in todo), shutil.disk_usage(dest).free
+    need = sum(files[n].size for n in todo)
+    free = shutil.disk_usage(dest).free
     if need > free:
-        return [], errors + [f"not enough disk space in {dest}: {len(todo)} shards need {human(need)}, "
-                             f"{human(free)} is free; free some space or ask for fewer shards"]
+        return [], errors + [f"not enough disk space in {dest}: {len(todo)} shards need "
+                             f"{human(need)}, {human(free)} is free; free some space or ask for "
+                             "fewer shards"]
     with ThreadPoolExecutor(args.workers) as pool:
-        jobs = {pool.submit(fetch_one, repo, info.sha, n, files[n].lfs.sha256, dest): n for n in todo}
+        jobs = {pool.submit(fetch_one, repo, info.sha, n, files[n].lfs.sha256, dest): n
+                for n in todo}
         for job in as_completed(jobs):
-            if not job.cancelled() and job.exception():  # likely to fail the rest too: do not start them
+            # likely to fail the rest too: do not start them
+            if not job.cancelled() and job.exception():
                 errors.append(f"{jobs[job]}: {explain(job.exception(), repo, dest)}")
                 pool.shutdown(wait=False, cancel_futures=True)
             elif not job.cancelled() and job.result():
@@ -158,33 +180,42 @@ def fetch(repo: str, dest: Path, names: list[str], args) -> tuple[list[str], lis
 def run(args) -> int:
     repo, prefix, _ = DATASETS[args.dataset]
     dest = args.dir if args.dir is not None else HERE / args.dataset
-    names = [f"{prefix}_val_000000.bin"] + [f"{prefix}_train_{i:06d}.bin" for i in range(1, args.n + 1)]
+    train_names = [f"{prefix}_train_{i:06d}.bin" for i in range(1, args.n + 1)]
+    names = [f"{prefix}_val_000000.bin"] + train_names
     start = time.perf_counter()
     try:
         dest.mkdir(parents=True, exist_ok=True)
-        # Two runs must not share .incoming/. The descriptor stays open: the lock ends with the process.
+        # Two runs must not share .incoming/. The descriptor stays open: the lock ends with the
+        # process.
         fcntl.flock(os.open(dest, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         sys.exit(f"error: another run is already downloading into {dest}; wait for it to finish")
     except OSError as e:
         sys.exit(f"error: cannot use the target folder {dest}: {e.strerror}")
 
-    def interrupted(signum, frame):  # download threads cannot be stopped politely: drop their files, leave now
+    def interrupted(signum, frame):
+        """Download threads cannot be stopped politely: drop their files, leave now."""
         shutil.rmtree(dest / STAGING, ignore_errors=True)
-        sys.stderr.write("\ninterrupted: finished shards are kept, partial ones discarded; rerun to continue\n")
+        sys.stderr.write("\ninterrupted: finished shards are kept, partial ones discarded; "
+                         "rerun to continue\n")
         os._exit(130)
 
     signal.signal(signal.SIGINT, interrupted)
-    signal.signal(signal.SIGTERM, interrupted)  # a killed job cleans up like Ctrl-C
-    shutil.rmtree(dest / STAGING, ignore_errors=True)  # debris of a killed run
+    # a killed job cleans up like Ctrl-C
+    signal.signal(signal.SIGTERM, interrupted)
+    # debris of a killed run
+    shutil.rmtree(dest / STAGING, ignore_errors=True)
     try:
         fetched, errors = fetch(repo, dest, names, args)
     except Exception as e:  # noqa: BLE001 - e.g. the hub is unreachable
-        fetched, errors = [], [explain(e, repo, dest)]
+        fetched = []
+        errors = [explain(e, repo, dest)]
     finally:
         shutil.rmtree(dest / STAGING, ignore_errors=True)
-    present = [n for n in names if (dest / n).exists()]  # all checked by now
-    size, new = (sum((dest / n).stat().st_size for n in group) for group in (present, fetched))
+    # all checked by now
+    present = [n for n in names if (dest / n).exists()]
+    size = sum((dest / n).stat().st_size for n in present)
+    new = sum((dest / n).stat().st_size for n in fetched)
     print(f"{dest}: {len(present)} of {len(names)} shards present (val + {len(names) - 1} train), "
           f"{(size - HEADER_BYTES * len(present)) // 2:,} tokens, {human(size)}; "
           f"downloaded {len(fetched)} ({human(new)}) in {time.perf_counter() - start:.1f} s")
@@ -196,17 +227,24 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Download FineWeb GPT-2 token shards: val + the first N train shards.")
-    parser.add_argument("n", nargs="?", type=int, help="number of train shards (default: all of them)")
-    parser.add_argument("--dataset", choices=DATASETS, default="fineweb10B", help="default: %(default)s")
-    parser.add_argument("--dir", type=Path, help="target folder (default: data/<dataset>/ beside this script)")
-    parser.add_argument("--workers", type=int, default=4, help="downloads at once (default: %(default)s)")
-    parser.add_argument("--verify", action="store_true", help="also compare present shards' sha256 with the hub's")
+    parser = argparse.ArgumentParser(
+        description="Download FineWeb GPT-2 token shards: val + the first N train shards.")
+    parser.add_argument("n", nargs="?", type=int,
+                        help="number of train shards (default: all of them)")
+    parser.add_argument("--dataset", choices=DATASETS, default="fineweb10B",
+                        help="default: %(default)s")
+    parser.add_argument("--dir", type=Path,
+                        help="target folder (default: data/<dataset>/ beside this script)")
+    parser.add_argument("--workers", type=int, default=4,
+                        help="downloads at once (default: %(default)s)")
+    parser.add_argument("--verify", action="store_true",
+                        help="also compare present shards' sha256 with the hub's")
     args = parser.parse_args(argv)
     repo, _, train_shards = DATASETS[args.dataset]
     args.n = train_shards if args.n is None else args.n
     if not 0 <= args.n <= train_shards:
-        parser.error(f"N must be between 0 and {train_shards} ({repo} has {train_shards} train shards), got {args.n}")
+        parser.error(f"N must be between 0 and {train_shards} ({repo} has {train_shards} train "
+                     f"shards), got {args.n}")
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     return run(args)

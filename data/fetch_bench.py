@@ -11,7 +11,6 @@ loopback; a real download is bounded by the network instead.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shutil
 import subprocess
@@ -20,9 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# The stand-in hub lives with the tests, which use it too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-fetch_hub = importlib.import_module("fetch_hub")
+# the stand-in hub, beside this script (the tests use it too)
+import fetch_hub
 
 SCRIPT = Path(__file__).resolve().parent / "cached_fineweb10B.py"
 
@@ -41,7 +39,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    served, out = args.workdir / "served", args.workdir / "out"
+    served = args.workdir / "served"
+    out = args.workdir / "out"
     served.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
     names = ["fineweb_val_000000.bin"] + [
@@ -79,8 +78,8 @@ def main() -> None:
     print(result.stdout + result.stderr, end="")
     total = sum((out / n).stat().st_size for n in names if (out / n).exists())
     print(
-        f"{len(names)} file(s), {total / 1e6:.1f} MB in {seconds:.2f} s wall (process start to exit): "
-        f"{total / 1e6 / seconds:.0f} MB/s"
+        f"{len(names)} file(s), {total / 1e6:.1f} MB in {seconds:.2f} s wall (process start to "
+        f"exit): {total / 1e6 / seconds:.0f} MB/s"
     )
     shutil.rmtree(out, ignore_errors=True)
 

@@ -1,13 +1,14 @@
 """GPT-2's byte-pair encoding, the tokenizer of the FineWeb shards, through tiktoken.
 
 Online, tiktoken downloads it on first use and caches it. Offline, every tool that tokenizes takes
-`--tokenizer FILE`: a tiktoken ranks file of GPT-2's BPE (`gpt2.tiktoken`, as shipped in the openai-whisper
-package), from which the same encoding is built here. Used by data/text_to_shards.py and evals/.
+`--tokenizer FILE`: a tiktoken ranks file of GPT-2's BPE (`gpt2.tiktoken`, as shipped in the
+openai-whisper package), from which the same encoding is built here, with tiktoken's own pattern.
+Used by data/text_to_shards.py and evals/.
 """
-EOT = 50256  # <|endoftext|>: the one special token, leading every document
-# GPT-2's pre-tokenisation pattern, as tiktoken's own "gpt2" encoding has it
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-GPT2_RANKS = 50256  # mergeable ranks: 256 bytes and 50,000 merges
+# <|endoftext|>: the one special token, leading every document
+EOT = 50256
+# mergeable ranks: 256 bytes and 50,000 merges
+GPT2_RANKS = 50256
 TOKENIZER_HINT = "pass --tokenizer FILE, a tiktoken ranks file of GPT-2's BPE (gpt2.tiktoken)"
 
 
@@ -16,27 +17,35 @@ class TokenizerError(Exception):
 
 
 def gpt2_encoding(tokenizer_file=None):
-    """GPT-2's encoding: from tokenizer_file when given, else tiktoken's own (downloaded once, then cached)."""
+    """GPT-2's encoding: from tokenizer_file when given, else tiktoken's own (downloaded once, then
+    cached)."""
     try:
         import tiktoken
         import tiktoken.load
+        import tiktoken_ext.openai_public
     except ImportError:
-        raise TokenizerError("tiktoken is not installed: `pip install -r requirements.txt`") from None
+        message = "tiktoken is not installed: `pip install -r requirements.txt`"
+        raise TokenizerError(message) from None
     if not tokenizer_file:
         try:
             return tiktoken.get_encoding("gpt2")
-        except Exception as e:  # offline: requests' connection errors, or a broken cache
+        except Exception as e:
+            # offline: requests' connection errors, or a broken cache
             raise TokenizerError(f"cannot get GPT-2's encoding from tiktoken ({type(e).__name__}); "
                                  f"offline, {TOKENIZER_HINT}") from None
     try:
         ranks = tiktoken.load.load_tiktoken_bpe(str(tokenizer_file))
     except OSError as e:
-        raise TokenizerError(f"--tokenizer {tokenizer_file}: cannot read it ({e.strerror})") from None
-    except Exception as e:  # not base64 and rank on each line
+        message = f"--tokenizer {tokenizer_file}: cannot read it ({e.strerror})"
+        raise TokenizerError(message) from None
+    except Exception as e:
+        # not base64 and rank on each line
         raise TokenizerError(f"--tokenizer {tokenizer_file}: not a tiktoken ranks file "
                              f"({type(e).__name__}: {e})") from None
     if len(ranks) != GPT2_RANKS or sorted(ranks.values()) != list(range(GPT2_RANKS)):
-        raise TokenizerError(f"--tokenizer {tokenizer_file}: {len(ranks):,} ranks, not GPT-2's {GPT2_RANKS:,} "
-                             "(0 to 50255): the shards' ids would mean other text")
-    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+        raise TokenizerError(f"--tokenizer {tokenizer_file}: {len(ranks):,} ranks, not GPT-2's "
+                             f"{GPT2_RANKS:,} (0 to 50255): the shards' ids would mean other text")
+    # the pre-tokenising pattern of tiktoken's own "gpt2" encoding (which shares r50k_base's)
+    pattern = tiktoken_ext.openai_public.r50k_pat_str
+    return tiktoken.Encoding(name="gpt2", pat_str=pattern, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT})

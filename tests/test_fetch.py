@@ -1,6 +1,6 @@
 """data/cached_fineweb10B.py, run as users run it (a subprocess) with the real huggingface_hub
 client, against a stand-in of the hub's download protocol and of the one API call the script makes
-(dataset_info, for the published sha256 of each shard) on 127.0.0.1 (tests/fetch_hub.py).
+(dataset_info, for the published sha256 of each shard) on 127.0.0.1 (data/fetch_hub.py).
 Offline: HF_ENDPOINT points at the stand-in, HF_HOME/HF_HUB_CACHE into tmp_path."""
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import fetch_hub
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-fetch_hub = importlib.import_module("fetch_hub")  # the stand-in hub, beside this file
-FakeHub, random_shard = fetch_hub.FakeHub, fetch_hub.random_shard
+# the stand-in hub, in data/ beside the tool it stands in for
+FakeHub = fetch_hub.FakeHub
+random_shard = fetch_hub.random_shard
 try:  # the trainer's reader has the last word on what counts as a readable shard
     train_gpt = importlib.import_module("train_gpt")
 except ImportError:
@@ -84,7 +85,8 @@ def fetch(
 
 
 def header_ok(raw: bytes) -> bool:
-    """The shard format (header of 256 int32: magic, version, count; then uint16 tokens), checked independently of both the fetch script and the trainer."""
+    """The shard format (header of 256 int32: magic, version, count; then uint16 tokens), checked
+    independently of both the fetch script and the trainer."""
     if len(raw) < 1024:
         return False
     magic, version, n = np.frombuffer(raw[:12], dtype="<i4")
@@ -215,6 +217,9 @@ def test_sister_dataset_and_default_folder_beside_the_script(tmp_path):
     copy = tmp_path / "repo" / "data" / "cached_fineweb10B.py"
     copy.parent.mkdir(parents=True)
     shutil.copy(SCRIPT, copy)
+    # with the modules it imports from its folder
+    for helper in ("shards.py", "hub_errors.py"):
+        shutil.copy(SCRIPT.parent / helper, copy.parent / helper)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     edu = FakeHub(repo="kjj0/finewebedu10B-gpt2")
@@ -266,11 +271,13 @@ def test_shard_with_changed_bytes_is_rejected_by_its_hash(hub, tmp_path):
     true_bytes = hub.served(train(2))
     hub.add(train(2), true_bytes, mode="tampered")
     served = hub.served(train(2))
-    assert len(served) == len(true_bytes) and served[:1024] == true_bytes[:1024] and served != true_bytes
+    assert len(served) == len(true_bytes) and served[:1024] == true_bytes[:1024]
+    assert served != true_bytes
     assert header_ok(served)  # so only a hash check can catch it
     result = fetch(hub, tmp_path, "2")
     got, published = (hashlib.sha256(b).hexdigest()[:16] for b in (served, true_bytes))
-    assert_clean_failure(result, train(2), f"sha256 {got}... is not the hub's {published}...", "deleted")
+    mismatch = f"sha256 {got}... is not the hub's {published}..."
+    assert_clean_failure(result, train(2), mismatch, "deleted")
     assert result.stderr.count("error:") == 1
     assert [r.filename for r in hub.file_gets()].count(train(2)) == 1
     assert_only_good_shards(tmp_path / "data", hub, [VAL, train(1)])
@@ -391,12 +398,16 @@ def test_not_enough_space_is_reported_before_downloading(hub, tmp_path):
     # The script sees 5000 bytes free; the hub's listing says the three shards need more.
     need = sum(len(hub.served(n)) for n in (VAL, train(1), train(2)))
     code = (
-        "import collections, runpy, shutil, sys; "
-        "shutil.disk_usage = lambda p: collections.namedtuple('u', 'total used free')(10**12, 10**12, 5000); "
-        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        "import collections, os, runpy, shutil, sys; "
+        "usage = collections.namedtuple('u', 'total used free'); "
+        "shutil.disk_usage = lambda p: usage(10**12, 10**12, 5000); "
+        # as `python SCRIPT` does, the script's folder first on the import path
+        "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
     )
     result = fetch(hub, tmp_path, "2", wrapper=["-c", code])
-    assert_clean_failure(result, "not enough disk space", f"need {need:,} bytes", "5,000 bytes is free")
+    assert_clean_failure(result, "not enough disk space", f"need {need:,} bytes",
+                         "5,000 bytes is free")
     assert hub.file_gets() == []
     assert os.listdir(tmp_path / "data") == []
 

@@ -1,7 +1,8 @@
-"""data/text_to_shards.py: text files, JSON Lines (plain and gzipped), Parquet and a stand-in of the hub in;
-shards out, read with the trainer's own reader and compared with an independent encoding of every document.
-Most runs are in this process with a tiny byte-level encoding (one token per UTF-8 byte), so that decoding is
-plain bytes; GPT-2's real BPE where ../shared has its ranks file."""
+"""data/text_to_shards.py: text files, JSON Lines (plain and gzipped), Parquet and a stand-in of the
+hub in; shards out, read with the trainer's own reader and compared with an independent encoding
+of every document. Most runs are in this process with a tiny byte-level encoding (one token per
+UTF-8 byte), so that decoding is plain bytes; GPT-2's real BPE where ../shared has its ranks
+file."""
 import gzip
 import json
 import os
@@ -9,35 +10,37 @@ import subprocess
 import sys
 import zlib
 
+import gpt2_tokenizer
 import numpy as np
 import pytest
+import text_to_shards
 import tiktoken
-from conftest import REPO, finished_log
+from conftest import REPO
+from conftest import finished_log
+from tiktoken_ext.openai_public import r50k_pat_str
 
 import train_gpt
 
-sys.path[:0] = [str(REPO / "data"), str(REPO / "tests")]
-import gpt2_tokenizer  # noqa: E402
-import text_to_shards  # noqa: E402
-
 RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
-needs_ranks = pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+needs_ranks = pytest.mark.skipif(not RANKS.exists(),
+                                 reason="needs ../shared/data/gpt2/gpt2.tiktoken")
 try:
     import pyarrow
     import pyarrow.parquet
 except ImportError:
     pyarrow = None
-needs_pyarrow = pytest.mark.skipif(pyarrow is None, reason=f"needs `pip install {text_to_shards.PYARROW}`")
+needs_pyarrow = pytest.mark.skipif(pyarrow is None,
+                                   reason=f"needs `pip install {text_to_shards.PYARROW}`")
 EOT = 50256
 
-# Documents that trip up a careless reader: non-ASCII text, the special token's text, \r\n kept as it is,
-# U+2028 (a line break to str.splitlines, not to JSON Lines), leading and trailing whitespace
+# Documents that trip up a careless reader: non-ASCII text, the special token's text, \r\n kept as
+# it is, U+2028 (a line break to str.splitlines, not to JSON Lines), leading and trailing whitespace
 TRICKY = ["Windows\r\nline ends,\ttabs and trailing spaces   \n\n",
           "Caf\u00e9 na\u00efve \u2014 \u65e5\u672c\u8a9e, \U0001F600, combining e\u0301.",
           "Text like the special token <|endoftext|> is never the special token.", "Hello world",
           " a leading space", "a line\u2028separator"]
-WORDS = ["the", "speedrun", "na\u00efve", "\u65e5\u672c", "token", "shard", "\U0001F680", "d\u00e9j\u00e0",
-         "42"]
+WORDS = ["the", "speedrun", "na\u00efve", "\u65e5\u672c", "token", "shard", "\U0001F680",
+         "d\u00e9j\u00e0", "42"]
 
 
 def corpus(count, seed=0):
@@ -47,12 +50,12 @@ def corpus(count, seed=0):
 
 
 def byte_encoding(big_id_for=None):
-    """A tiny stand-in for GPT-2's BPE: one token per UTF-8 byte (no merges), EOT at 50256; `big_id_for`: a
-    byte given an id that does not fit 16 bits."""
+    """A tiny stand-in for GPT-2's BPE: one token per UTF-8 byte (no merges), EOT at 50256;
+    `big_id_for`: a byte given an id that does not fit 16 bits."""
     ranks = {bytes([b]): b for b in range(256)}
     if big_id_for:
         ranks[big_id_for] = 70_000
-    return tiktoken.Encoding("bytes", pat_str=gpt2_tokenizer.GPT2_PATTERN, mergeable_ranks=ranks,
+    return tiktoken.Encoding("bytes", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT})
 
 
@@ -62,10 +65,12 @@ def json_lines(documents):
 
 
 def write_inputs(folder, documents, formats):
-    """The documents, in order, over one file per format (a "txt" file takes one document); their paths."""
+    """The documents, in order, over one file per format (a "txt" file takes one document); their
+    paths."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, (form, share) in enumerate(zip(formats, np.array_split(np.arange(len(documents)), len(formats)))):
+    shares = np.array_split(np.arange(len(documents)), len(formats))
+    for i, (form, share) in enumerate(zip(formats, shares)):
         docs = [documents[j] for j in share]
         path = folder / f"{i:02d}.{form}"
         if form == "txt":
@@ -90,9 +95,11 @@ def make(paths, out, *options, name="corpus", encoding=None):
 
 
 def shards(out, name="corpus"):
-    """{file name: tokens}, the val shard first, as the trainer reads them (it checks header and size)."""
+    """{file name: tokens}, the val shard first, as the trainer reads them (it checks header and
+    size)."""
     paths = sorted(out.glob(f"{name}_val_*.bin")) + sorted(out.glob(f"{name}_train_*.bin"))
-    return {path.name: train_gpt.load_data_shard(str(path)).numpy().astype(np.int64) for path in paths}
+    return {path.name: train_gpt.load_data_shard(str(path)).numpy().astype(np.int64)
+            for path in paths}
 
 
 def split_documents(tokens):
@@ -114,6 +121,7 @@ def file_bytes(out):
 
 # What the shards hold ----------------------------------------------------------------------------
 @needs_ranks
+@pytest.mark.slow
 def test_every_format_gives_gpt2s_tokens_of_every_document_in_order(tmp_path):
     documents = TRICKY + corpus(40)
     files = [("txt", 1), ("jsonl", 4), ("txt", 1), ("jsonl.gz", 20), ("parquet", 10), ("txt", 1),
@@ -121,17 +129,20 @@ def test_every_format_gives_gpt2s_tokens_of_every_document_in_order(tmp_path):
     if pyarrow is None:
         files.remove(("parquet", 10))
         files[-1] = ("jsonl", 19)
-    paths, at = [], 0
+    paths = []
+    at = 0
     for i, (form, count) in enumerate(files):
         paths += write_inputs(tmp_path / f"in{i}", documents[at:at + count], [form])
         at += count
     assert at == len(documents)
-    assert make(paths, tmp_path / "out", "--tokenizer", RANKS, "--val_tokens", "30", "--workers", "2") == 0
+    assert make(paths, tmp_path / "out", "--tokenizer", RANKS, "--val_tokens", "30",
+                "--workers", "2") == 0
     encoding = gpt2_tokenizer.gpt2_encoding(RANKS)
     expected = np.concatenate([[EOT] + encoding.encode_ordinary(doc) for doc in documents])
     made = shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(list(made.values())), expected)
-    decoded = [encoding.decode(doc.tolist()) for tokens in made.values() for doc in split_documents(tokens)]
+    decoded = [encoding.decode(doc.tolist())
+               for tokens in made.values() for doc in split_documents(tokens)]
     assert decoded == documents
 
 
@@ -150,7 +161,8 @@ def test_a_folder_is_read_in_path_order_without_hidden_files(tmp_path):
                        (".hidden.txt", "not me"), ("c/.git/x.txt", "nor me")]:
         (tmp_path / "in" / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / path).write_text(text)
-    assert make([tmp_path / "in"], tmp_path / "out", "--val_tokens", "1", encoding=byte_encoding()) == 0
+    assert make([tmp_path / "in"], tmp_path / "out", "--val_tokens", "1",
+                encoding=byte_encoding()) == 0
     assert byte_documents(tmp_path / "out") == ["one", "ten", "two"]  # a.txt, b/10.jsonl, b/2.txt
 
 
@@ -158,14 +170,17 @@ def test_val_shard_takes_whole_documents_then_train_shards_fill_up_to_the_limit(
     documents = corpus(120, seed=1)
     paths = write_inputs(tmp_path / "in", documents, ["jsonl", "jsonl.gz"])
     lengths = [1 + len(doc.encode()) for doc in documents]
-    val_tokens, shard_tokens = sum(lengths[:7]), 700  # "at least": 7 documents reach it exactly
-    assert make(paths, tmp_path / "out", "--val_tokens", str(val_tokens), "--shard_tokens", str(shard_tokens),
-                encoding=byte_encoding()) == 0
+    # "at least": 7 documents reach it exactly
+    val_tokens = sum(lengths[:7])
+    shard_tokens = 700
+    assert make(paths, tmp_path / "out", "--val_tokens", str(val_tokens), "--shard_tokens",
+                str(shard_tokens), encoding=byte_encoding()) == 0
     # the plan, as a plain loop over the documents' token counts
     val = 0
     while sum(lengths[:val]) < val_tokens:
         val += 1
-    expected, current = [sum(lengths[:val])], 0
+    expected = [sum(lengths[:val])]
+    current = 0
     for length in lengths[val:]:
         if current + length > shard_tokens:
             expected.append(current)
@@ -186,17 +201,21 @@ def test_a_short_last_train_shard_is_evened_out_with_the_one_before(tmp_path):
     # val: 1 document; train: 10 fit in 600 tokens, then 2 (108 < 300): evened out to 6 and 6
     assert make(paths, tmp_path / "out", "--val_tokens", "1", "--shard_tokens", "600",
                 encoding=byte_encoding()) == 0
-    assert [len(split_documents(tokens)) for tokens in shards(tmp_path / "out").values()] == [1, 6, 6]
+    made = shards(tmp_path / "out").values()
+    assert [len(split_documents(tokens)) for tokens in made] == [1, 6, 6]
     assert byte_documents(tmp_path / "out") == documents
 
 
+@pytest.mark.slow
 def test_one_and_two_workers_write_the_same_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(text_to_shards, "CHUNK_BYTES", 500)  # many chunks, several in flight at once
+    # many chunks, several in flight at once
+    monkeypatch.setattr(text_to_shards, "CHUNK_BYTES", 500)
     paths = write_inputs(tmp_path / "in", corpus(200, seed=2), ["jsonl", "jsonl.gz", "jsonl"])
     for workers in (1, 2):
-        assert make(paths, tmp_path / f"out{workers}", "--val_tokens", "300", "--shard_tokens", "2000",
-                    "--workers", str(workers), encoding=byte_encoding()) == 0
-    one, two = file_bytes(tmp_path / "out1"), file_bytes(tmp_path / "out2")
+        assert make(paths, tmp_path / f"out{workers}", "--val_tokens", "300", "--shard_tokens",
+                    "2000", "--workers", str(workers), encoding=byte_encoding()) == 0
+    one = file_bytes(tmp_path / "out1")
+    two = file_bytes(tmp_path / "out2")
     assert len(one) > 4 and one == two
 
 
@@ -207,7 +226,9 @@ def test_an_interrupted_run_goes_on_to_the_same_files(tmp_path, monkeypatch, fin
     options = ["--val_tokens", "300", "--shard_tokens", "900"]
     assert make(paths, tmp_path / "whole", *options, encoding=byte_encoding()) == 0
     whole = file_bytes(tmp_path / "whole")
-    rename, renamed, encoded = text_to_shards.ShardWriter.rename, [], []
+    rename = text_to_shards.ShardWriter.rename
+    renamed = []
+    encoded = []
 
     def interrupted_rename(writer, shard):
         if len(renamed) == finished:
@@ -235,7 +256,8 @@ def test_an_interrupted_run_goes_on_to_the_same_files(tmp_path, monkeypatch, fin
     # it went on after the finished shards
     assert sum(encoded) == 150 - sum(shard["documents"] for shard in recorded[:finished])
     encoded.clear()
-    assert make(paths, tmp_path / "out", *options, encoding=byte_encoding()) == 0 and not encoded  # all there
+    # all there
+    assert make(paths, tmp_path / "out", *options, encoding=byte_encoding()) == 0 and not encoded
 
 
 def test_changed_input_makes_the_shards_again(tmp_path):
@@ -245,7 +267,8 @@ def test_changed_input_makes_the_shards_again(tmp_path):
     before = file_bytes(tmp_path / "out")
     paths[1].write_text(json_lines(["short now"]))
     assert make(paths, tmp_path / "out", *options, encoding=byte_encoding()) == 0
-    assert len(file_bytes(tmp_path / "out")) < len(before)  # the old shards beyond the new end are gone
+    # the old shards beyond the new end are gone
+    assert len(file_bytes(tmp_path / "out")) < len(before)
     assert byte_documents(tmp_path / "out") == corpus(60, seed=4)[:30] + ["short now"]
 
 
@@ -271,21 +294,25 @@ def test_a_folder_holding_another_datasets_shards_is_refused(tmp_path, capsys, o
 
 # Bad input ---------------------------------------------------------------------------------------
 CUT_GZIP = gzip.compress(json_lines(corpus(50)).encode())[:900]
-READABLE_LINES = zlib.decompressobj(wbits=31).decompress(CUT_GZIP).count(b"\n")  # whole lines before the cut
+# whole lines before the cut
+READABLE_LINES = zlib.decompressobj(wbits=31).decompress(CUT_GZIP).count(b"\n")
 BAD = {  # file name: (content, what the error line says after "error: FILE: ")
     "empty.txt": (b"", "empty file"),
     "latin1.txt": ("first line\nsecond caf\u00e9\n".encode("latin-1"),
                    "line 2: not UTF-8 (byte 0xe9 at column 11)"),
     "latin1.jsonl": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "line 2: not UTF-8"),
     "invalid.jsonl": (b'{"text": "ok"}\n\n{"text": "unclosed}\n', "line 3: not valid JSON"),
-    "no_field.jsonl": (b'{"text": "ok"}\n{"content": "no text field"}\n', "line 2: no 'text' field"),
+    "no_field.jsonl": (b'{"text": "ok"}\n{"content": "no text field"}\n',
+                       "line 2: no 'text' field"),
     "number.jsonl": (b'{"text": 42}\n', "line 1: the 'text' field is 42, not a string"),
     "list.jsonl": (b'["text"]\n', "line 1: a JSON list, not an object"),
     "blank.jsonl": (b"\n \n", "blank lines only: no documents in it"),
     "empty.txt.gz": (gzip.compress(b""), "empty file: no documents in it"),
     "truncated.jsonl.gz": (CUT_GZIP, f"line {READABLE_LINES + 1}: not a whole gzip file"),
-    "big_id.jsonl": (b'{"text": "fine"}\n{"text": "a ~ here"}\n', "line 2: token id 70000 does not fit"),
-    "too_long.jsonl": (json_lines(["fine", "x" * 900]).encode(), "line 2: a document of 901 tokens"),
+    "big_id.jsonl": (b'{"text": "fine"}\n{"text": "a ~ here"}\n',
+                     "line 2: token id 70000 does not fit"),
+    "too_long.jsonl": (json_lines(["fine", "x" * 900]).encode(),
+                       "line 2: a document of 901 tokens"),
 }
 
 
@@ -316,6 +343,7 @@ def test_a_missing_file_a_bad_ranks_file_and_input_all_for_val_are_one_line(tmp_
     assert not list((tmp_path / "out").glob("*.bin"))
 
 
+@pytest.mark.slow
 def test_the_script_reports_bad_input_without_a_traceback(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.touch()
@@ -340,7 +368,8 @@ def test_parquet_text_column_and_nulls(tmp_path, capsys):
     path = tmp_path / "data.parquet"
     pyarrow.parquet.write_table(pyarrow.table({"body": ["one", "two", None]}), path)
     assert make([path], tmp_path / "out", "--val_tokens", "1", encoding=byte_encoding()) == 1
-    assert "no column 'text' (it has body); name the text column with --text_field" in capsys.readouterr().err
+    no_column = "no column 'text' (it has body); name the text column with --text_field"
+    assert no_column in capsys.readouterr().err
     assert make([path], tmp_path / "out", "--val_tokens", "1", "--text_field", "body",
                 encoding=byte_encoding()) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]
@@ -372,37 +401,44 @@ configs:
 # A stand-in dataset
 """
 
-# the command line in a fresh process (huggingface_hub reads HF_ENDPOINT on import), with the byte encoding
-HUB_RUN = f"""
+# the command line in a fresh process (huggingface_hub reads HF_ENDPOINT on import), with the byte
+# encoding
+HUB_RUN = """
 import sys, tiktoken
-sys.path.insert(0, {str(REPO / "data")!r})
-import gpt2_tokenizer, text_to_shards
-ranks = {{bytes([b]): b for b in range(256)}}
-encoding = tiktoken.Encoding("bytes", pat_str=gpt2_tokenizer.GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={{"<|endoftext|>": 50256}})
+from tiktoken_ext.openai_public import r50k_pat_str
+import text_to_shards
+ranks = {bytes([b]): b for b in range(256)}
+encoding = tiktoken.Encoding("bytes", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256})
 sys.exit(text_to_shards.main(sys.argv[1:], encoding=encoding))
 """
 
 
+@pytest.mark.slow
 def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
     fetch_hub = pytest.importorskip("fetch_hub")
     hub = fetch_hub.FakeHub(repo="someone/corpus", redirect=False)
     documents = corpus(60, seed=7)
     hub.add("README.md", CARD.encode())
-    for i in (2, 0, 1):  # listed out of order: read sorted by path
-        hub.add(f"sample/10BT/{i:03d}_00000.jsonl.gz", gzip.compress(json_lines(documents[i::3]).encode()))
+    # listed out of order: read sorted by path
+    for i in (2, 0, 1):
+        part = gzip.compress(json_lines(documents[i::3]).encode())
+        hub.add(f"sample/10BT/{i:03d}_00000.jsonl.gz", part)
     # another config's file
     hub.add("data/CC-MAIN-2024/000.jsonl.gz", gzip.compress(json_lines(documents).encode()))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DOWNLOAD_TIMEOUT="5")
-    command = [sys.executable, "-c", HUB_RUN, "--hub", "someone/corpus", "--hub_config", "sample-10BT",
-               "--name", "edu", "--out", str(tmp_path / "out"), "--val_tokens", "100", "--workers", "1"]
+    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"),
+               HF_HUB_DOWNLOAD_TIMEOUT="5", PYTHONPATH=str(REPO / "data"))
+    command = [sys.executable, "-c", HUB_RUN, "--hub", "someone/corpus", "--hub_config",
+               "sample-10BT", "--name", "edu", "--out", str(tmp_path / "out"), "--val_tokens",
+               "100", "--workers", "1"]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
     finally:
         hub.stop()
     assert result.returncode == 0, result.stderr[-2000:]
-    assert byte_documents(tmp_path / "out", "edu") == [doc for i in range(3) for doc in documents[i::3]]
+    in_file_order = [doc for i in range(3) for doc in documents[i::3]]
+    assert byte_documents(tmp_path / "out", "edu") == in_file_order
     fetched = [request.filename for request in hub.file_gets()]
     assert fetched == ["README.md"] + [f"sample/10BT/{i:03d}_00000.jsonl.gz" for i in range(3)]
 
@@ -410,7 +446,8 @@ def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
 def test_a_config_or_split_the_card_lacks_is_one_line(tmp_path):
     card = tmp_path / "README.md"
     card.write_text(CARD)
-    assert text_to_shards.hub_patterns("someone/corpus", card, "sample-10BT", "train") == ["sample/10BT/*"]
+    patterns = text_to_shards.hub_patterns("someone/corpus", card, "sample-10BT", "train")
+    assert patterns == ["sample/10BT/*"]
     unknown_config = r"no config 'nope' \(its configs: default, sample-10BT\)"
     with pytest.raises(text_to_shards.InputError, match=unknown_config):
         text_to_shards.hub_patterns("someone/corpus", card, "nope", "train")
@@ -428,13 +465,15 @@ def test_a_config_or_split_the_card_lacks_is_one_line(tmp_path):
 
 
 # The trainer on the shards -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_smoke_model_trains_on_the_shards(tmp_path):
-    """Shards of a small corpus (GPT-2's encoding where present, else bytes); 2 steps of a small model, run
-    in this process as `python train_gpt.py` runs it."""
+    """Shards of a small corpus (GPT-2's encoding where present, else bytes); 2 steps of a small
+    model, run in this process as `python train_gpt.py` runs it."""
     paths = write_inputs(tmp_path / "in", corpus(300, seed=8), ["jsonl", "jsonl.gz"])
     inputs = text_to_shards.local_inputs(paths, tmp_path / "out")
     encoding = gpt2_tokenizer.gpt2_encoding(RANKS) if RANKS.exists() else byte_encoding()
-    text_to_shards.convert(inputs, tmp_path / "out", "mine", encoding, val_tokens=300, shard_tokens=1500)
+    text_to_shards.convert(inputs, tmp_path / "out", "mine", encoding, val_tokens=300,
+                           shard_tokens=1500)
     args = ["--preset", "smoke", "--train_files", str(tmp_path / "out" / "mine_train_*.bin"),
             "--val_files", str(tmp_path / "out" / "mine_val_*.bin"), "--num_iterations", "2",
             "--val_loss_every", "2", "--batch_size", "256", "--max_device_batch_size", "128",

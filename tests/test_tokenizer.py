@@ -1,15 +1,13 @@
 """GPT-2's encoding built from a local ranks file, as the offline tools build it."""
-import sys
 from pathlib import Path
 
+import gpt2_tokenizer
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "data"))
-import gpt2_tokenizer  # noqa: E402
-
 RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
-needs_ranks = pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+needs_ranks = pytest.mark.skipif(not RANKS.exists(),
+                                 reason="needs ../shared/data/gpt2/gpt2.tiktoken")
 
 
 @needs_ranks

@@ -1,5 +1,6 @@
-"""A small stand-in for the Hugging Face hub's file-download protocol, for offline tests of
-data/cached_fineweb10B.py (used by tests/test_fetch.py and data/fetch_bench.py).
+"""A small stand-in for the Hugging Face hub's file-download protocol, for offline tests and
+measurements of data/cached_fineweb10B.py and data/text_to_shards.py (used by data/fetch_bench.py
+and the tests).
 
 What huggingface_hub's hf_hub_download does for a dataset file (checked against 2.4.0):
 1. HEAD {endpoint}/datasets/{repo}/resolve/{revision}/{filename}, redirects not followed
@@ -13,9 +14,9 @@ Sending X-Xet-Hash (or a Link rel="xet-auth") would switch the client to the Xet
 so this server never sends either: downloads stay plain HTTP.
 
 The one API call the fetch script makes besides (checked against 2.4.0):
-HfApi.dataset_info(repo, files_metadata=True): GET {endpoint}/api/datasets/{repo}?blobs=True, answered
-with JSON {"id", "sha", "siblings": [{"rfilename", "size", "blobId", "lfs": {"sha256", "size",
-"pointerSize"}}]}: the commit, and the size and published sha256 of every LFS file.
+HfApi.dataset_info(repo, files_metadata=True): GET {endpoint}/api/datasets/{repo}?blobs=True,
+answered with JSON {"id", "sha", "siblings": [{"rfilename", "size", "blobId", "lfs": {"sha256",
+"size", "pointerSize"}}]}: the commit, and the size and published sha256 of every LFS file.
 
 Two listeners share one state: the hub (serves /resolve/) and a "CDN" on another port, so a
 302 from one to the other crosses origins the way huggingface.co -> CDN does.
@@ -36,21 +37,22 @@ import json
 import re
 import socket
 import threading
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
+from dataclasses import field
+from http.server import BaseHTTPRequestHandler
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
+import shards
 
-COMMIT = "4b1f0c2d9e8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c"  # any 40 hex digits will do
-MAGIC, VERSION = 20240520, 1
+# any 40 hex digits will do
+COMMIT = "4b1f0c2d9e8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c"
 
 
 def shard_bytes(tokens: np.ndarray) -> bytes:
-    """A token shard: a header of 256 int32 (magic, version, token count), then uint16 tokens."""
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = (MAGIC, VERSION, len(tokens))
-    return header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()
+    """A token shard: its header, then uint16 tokens."""
+    return shards.header(len(tokens)) + np.asarray(tokens, dtype="<u2").tobytes()
 
 
 def random_shard(n_tokens: int, seed: int) -> bytes:
@@ -64,10 +66,8 @@ def write_random_shard(
 ) -> None:
     """Write a big shard without holding it in memory (for the throughput measurement)."""
     rng = np.random.default_rng(seed)
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = (MAGIC, VERSION, n_tokens)
     with open(path, "wb") as f:
-        f.write(header.tobytes())
+        f.write(shards.header(n_tokens))
         for start in range(0, n_tokens, chunk):
             block = rng.integers(
                 0, 50257, min(chunk, n_tokens - start), dtype=np.uint16
@@ -77,8 +77,10 @@ def write_random_shard(
 
 @dataclass
 class Entry:
-    path: Path | None  # big files are served from disk ...
-    data: bytes | None  # ... small ones from memory
+    # big files are served from disk ...
+    path: Path | None
+    # ... small ones from memory
+    data: bytes | None
     mode: str = "ok"
     cut: int = 0
     then: str = "fail"
@@ -114,21 +116,25 @@ class Request:
     filename: str | None
     range: str | None
     status: int = 0
-    sent: int = 0  # body bytes written
+    # body bytes written
+    sent: int = 0
 
 
 @dataclass
 class FakeHub:
     repo: str = "kjj0/fineweb10B-gpt2"
-    redirect: bool = True  # answer /resolve/ with a 302 to the CDN listener, as the hub does for big files
-    refuse: int | None = None  # answer every hub request with this status (401, 403), as without a token
+    # answer /resolve/ with a 302 to the CDN listener, as the hub does for big files
+    redirect: bool = True
+    # answer every hub request with this status (401, 403), as without a token
+    refuse: int | None = None
     files: dict[str, Entry] = field(default_factory=dict)
     log: list[Request] = field(default_factory=list)
 
     def __post_init__(self):
         self._lock = threading.Lock()
         self._release = threading.Event()
-        self.stalled = threading.Event()  # set once a "stall" file has sent its bytes
+        # set once a "stall" file has sent its bytes
+        self.stalled = threading.Event()
         self._etags: dict[str, str] = {}
         self._stopped = False
         self.hub = _Server(("127.0.0.1", 0), self, "hub")
@@ -153,12 +159,15 @@ class FakeHub:
         if isinstance(content, Path):
             entry = Entry(content, None, mode, cut, then)
         else:
-            if mode == "corrupt":  # flip the magic number
-                content = (MAGIC + 1).to_bytes(4, "little") + content[4:]
+            # flip the magic number
+            if mode == "corrupt":
+                content = (shards.MAGIC + 1).to_bytes(4, "little") + content[4:]
             entry = Entry(None, bytes(content), mode, cut, then)
         published = entry.sha256()
-        if mode == "tampered":  # change two token bytes after the hash was published
-            entry.data = content[:1030] + bytes(b ^ 0xFF for b in content[1030:1032]) + content[1032:]
+        # change two token bytes after the hash was published
+        if mode == "tampered":
+            flipped = bytes(b ^ 0xFF for b in content[1030:1032])
+            entry.data = content[:1030] + flipped + content[1032:]
         with self._lock:
             self.files[name] = entry
             self._etags[name] = published
@@ -195,7 +204,8 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address, hub: FakeHub, role: str):
-        self.fake, self.role = hub, role
+        self.fake = hub
+        self.role = role
         super().__init__(address, _Handler)
 
 
@@ -207,10 +217,12 @@ CDN = re.compile(r"^/cdn/(?P<name>[^/?]+)$")
 
 
 class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, as the real hub
+    # keep-alive, as the real hub
+    protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, *args):  # keep test output clean
+    # keep test output clean
+    def log_message(self, *args):
         pass
 
     def do_HEAD(self):
@@ -288,7 +300,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_file(self, req: Request, name: str, entry: Entry, body: bool):
         fake = self.server.fake
-        size, start, end = entry.size, 0, entry.size
+        size = entry.size
+        start = 0
+        end = entry.size
         first_get = False
         if body:
             with fake._lock:
@@ -316,7 +330,8 @@ class _Handler(BaseHTTPRequestHandler):
         if entry.mode in ("drop", "stall") and first_get:
             limit = min(end, start + entry.cut)
         self._write_body(req, entry, start, limit)
-        if limit < end:  # cut the transfer short
+        # cut the transfer short
+        if limit < end:
             if entry.mode == "stall":
                 fake.stalled.set()
                 fake._release.wait(timeout=60)
@@ -324,7 +339,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
 
     def _write_body(self, req: Request, entry: Entry, start: int, end: int):
-        if entry.path is not None:  # big file: zero-copy from disk
+        # big file: zero-copy from disk
+        if entry.path is not None:
             with open(entry.path, "rb") as f:
                 req.sent = self.connection.sendfile(f, start, end - start)
         else:
