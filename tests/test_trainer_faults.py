@@ -243,12 +243,15 @@ def test_the_log_is_written_under_a_lock_and_a_full_disk_met_by_another_thread_s
     assert lines[-1] == "rank 1: error: out of memory"
 
 
-# rank 0 writes its error line, then lingers: torchrun, as rank 1 exits first, ends it with SIGTERM
+# rank 0 writes its error line first, then lingers: torchrun, as rank 1 exits first, ends it with
+# SIGTERM
 LINGERING_RANK_ZERO = """import os, sys, time
 sys.path.insert(0, {repo!r})
 import train_gpt
 tell_launcher = train_gpt.tell_launcher
 def tell_then_linger(line, code=1):
+    if os.environ["RANK"] == "1":
+        time.sleep(2)
     tell_launcher(line, code)
     if os.environ["RANK"] == "0":
         time.sleep(30)
