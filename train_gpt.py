@@ -1170,7 +1170,7 @@ def reopen_shard(loader, shard):
         tokens = load_data_shard(loader.files[shard], loader.vocab_size)
     except UserError as e:
         failure = str(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if loader.world_size > 1 and dist.is_initialized():
         failed = torch.tensor(len(failure), device=loader.device)
         dist.all_reduce(failed, dist.ReduceOp.MAX)
         if failed.item() and not failure:

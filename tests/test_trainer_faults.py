@@ -2,14 +2,16 @@
 exit code, the last line on stderr and in the log, the files. Shards that are folders, pipes or
 glob-looking names; shards that change, vanish or turn into folders mid-run (with a checkpoint
 where one is due, and a resume once the shard is back); a final checkpoint the disk has no room
-for; advice a resume would refuse; an option error under run.sh; rank 0's log written from two
-threads; the synthetic stream, the same tokens as the list-built one it replaced.
+for; advice a resume would refuse; an option error under run.sh; a shard changed for one rank of
+two; rank 0's log written from two threads; the synthetic stream, the same tokens as the
+list-built one it replaced.
 
 Run: `pytest tests/test_trainer_faults.py` (add `-m "not slow"` for the quick ones)."""
 import glob
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -18,11 +20,13 @@ import pytest
 import torch
 from conftest import REPO
 from conftest import finished_log
+from conftest import launch_env
 from test_disk import at_step
 from test_disk import fill
 from test_disk import small_filesystem  # noqa: F401 (a fixture)
 from test_launch import needs_no_gpu
 from test_launch import run_sh_env
+from test_resume import one_thread  # noqa: F401 (a fixture)
 
 import train_gpt
 
@@ -139,8 +143,8 @@ def replace_with_folder(path):
 
 CHANGED = "changed since the run started (600 tokens then, 400 now): restore it"
 UNREADABLE = "cannot read this shard since the run started"
+# a shorter shard: the checkpoint test below
 MID_RUN_FAULTS = {
-    "shorter": (replace_with_shorter, CHANGED),
     "deleted": (os.remove, f"{UNREADABLE} (No such file or directory)"),
     "folder": (replace_with_folder, f"{UNREADABLE} (a folder, a pipe or a device"),
 }
@@ -148,6 +152,7 @@ MID_RUN_FAULTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", sorted(MID_RUN_FAULTS))
+@pytest.mark.usefixtures("one_thread")
 def test_a_shard_that_changes_mid_run_stops_it_naming_the_file(fault, tmp_path, capsys,
                                                               monkeypatch):
     """Shard 2 changes at step 1; the loader opens it at step 2: the run ends there, one line."""
@@ -164,6 +169,7 @@ def test_a_shard_that_changes_mid_run_stops_it_naming_the_file(fault, tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_a_shard_replaced_mid_run_keeps_a_checkpoint_that_resumes_once_it_is_back(tmp_path, capsys,
                                                                                   monkeypatch):
     train, val = shards(tmp_path / "data")
@@ -185,6 +191,7 @@ def test_a_shard_replaced_mid_run_keeps_a_checkpoint_that_resumes_once_it_is_bac
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_a_final_checkpoint_the_disk_has_no_room_for_exits_1(small_filesystem, tmp_path, capsys,  # noqa: F811
                                                            monkeypatch):
     train, val = shards(tmp_path / "data")
@@ -243,6 +250,19 @@ def test_the_log_is_written_under_a_lock_and_a_full_disk_met_by_another_thread_s
     assert lines[-1] == "rank 1: error: out of memory"
 
 
+def run_in_own_session(command, env, timeout=300):
+    """Run command in a session of its own: if it outlives the timeout, all of its processes go."""
+    proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
 # rank 0 writes its error line first, then lingers: torchrun, as rank 1 exits first, ends it with
 # SIGTERM
 LINGERING_RANK_ZERO = """import os, sys, time
@@ -269,9 +289,49 @@ def test_an_option_error_under_run_sh_exits_1_even_when_torchrun_ends_a_rank_wit
     # 2 processes x 128 tokens do not divide 128 val tokens: an error once the count is known
     options = ["--preset", "smoke", "--val_tokens", "128", "--max_device_batch_size", "128",
                "--batch_size", "256", "--log_dir", str(tmp_path / "logs")]
-    result = subprocess.run(["bash", str(REPO / "run.sh"), *options], env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = run_in_own_session(["bash", str(REPO / "run.sh"), *options], env)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1] == ("error: --val_tokens 128 must be a multiple of "
                                               "processes x --max_device_batch_size = 256")
+
+
+# from step 1 on, rank 0 alone reads 400 tokens in train shard 2's header (its node's copy changed);
+# rank 1 reads the shard as it was
+SHARD_CHANGED_ON_RANK_ZERO = """import os, sys
+sys.path.insert(0, {repo!r})
+import train_gpt
+agreed = train_gpt.CleanStop.agreed
+read_shard_header = train_gpt.read_shard_header
+def shorter_on_rank_0(path):
+    return 400 if path == {shard!r} else read_shard_header(path)
+def change_at_step_1(self, step):
+    if step == 1 and os.environ["RANK"] == "0":
+        train_gpt.read_shard_header = shorter_on_rank_0
+    return agreed(self, step)
+train_gpt.CleanStop.agreed = change_at_step_1
+sys.exit(train_gpt.main())
+"""
+
+
+@pytest.mark.slow
+def test_a_shard_changed_for_one_rank_stops_every_rank_after_a_checkpoint(tmp_path):
+    train, val = shards(tmp_path / "data")
+    shard = str(tmp_path / "data" / "t_000002.bin")
+    worker = tmp_path / "worker.py"
+    worker.write_text(SHARD_CHANGED_ON_RANK_ZERO.format(repo=str(REPO), shard=shard))
+    options = tiny_run(train, val, tmp_path / "logs", "--save_checkpoint", "true")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(worker), *options]
+    result = run_in_own_session(command, launch_env(OMP_NUM_THREADS="1"))
+    # plain torchrun adds its own traceback and report (run.sh leaves them out); none of a worker's
+    assert result.returncode == 1 and 'train_gpt.py", line' not in result.stderr, result.stderr
+    log = finished_log(tmp_path / "logs")
+    checkpoint = tmp_path / "logs" / log.stem / "state_step000002.pt"
+    last = log.read_text().splitlines()[-1]
+    assert last.startswith(f"error: {shard}: {CHANGED}, then: torchrun --standalone "), last
+    assert last.endswith(f"--nproc_per_node=2 train_gpt.py --resume {checkpoint}")
+    # rank 1 stopped with it, after the same step, and took its part in the checkpoint
+    rank_one = f"error: {shard}: another process of the run could not read it again, then: "
+    assert rank_one in result.stderr
+    assert torch.load(checkpoint, weights_only=False)["step"] == 2
