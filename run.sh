@@ -24,9 +24,12 @@ fi
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 
 # torchrun, ending with the trainer's own last lines. The trainer leaves each worker's last line (an error,
-# a stop) in the error file torchrun gives that worker: when workers fail, their lines are printed again,
-# last, the first failure's at the very end, in place of torchrun's traceback and report. A stop signal
-# that reached torchrun ends it quietly (the workers' stop line is already last), with 128 + the signal.
+# a stop) and exit code in the error file torchrun gives that worker: when workers fail, their lines are
+# printed again, last, the first failure's at the very end, in place of torchrun's traceback and report,
+# and run.sh exits with that worker's own code (torchrun's SIGTERM may end it after it wrote its line).
+# A worker that died without a line (killed) is named last: the others' lines follow from its death.
+# A stop signal that reached torchrun ends it quietly (the workers' stop line is already last), with
+# 128 + the signal.
 read -r -d '' launcher <<'PYTHON' || true
 import logging
 import os
@@ -43,9 +46,18 @@ def not_the_failure_report(record):
 
 
 def exit_code(failure):
+    if isinstance(failure.message, dict) and "exit_code" in failure.message.get("extraInfo", {}):
+        return failure.message["extraInfo"]["exit_code"]
     if failure.exitcode < 0:
         return 128 - failure.exitcode
     return failure.exitcode
+
+
+def unrecorded_line(rank, failure):
+    how = f"with exit code {failure.exitcode}"
+    if failure.exitcode < 0:
+        how = f"by {failure.signal_name()}"
+    return f"run.sh: rank {rank} ended {how}, without an error line of its own; its output is above"
 
 
 def last_line(failure):
@@ -67,17 +79,17 @@ except SignalException as stop:
 except ChildFailedError as failed:
     recorded = [f for f in failed.failures.values() if os.path.isfile(f.error_file)]
     recorded.sort(key=lambda f: os.path.getmtime(f.error_file))
+    # torchrun's SIGTERM ends the others once one has failed: those are no cause
+    unrecorded = [(rank, f) for rank, f in failed.failures.items()
+                  if not os.path.isfile(f.error_file) and f.exitcode != -signal.SIGTERM]
+    # each line once, where it first appeared; the first failure, the cause of the others, last
+    lines = list(dict.fromkeys(last_line(f) for f in recorded))
+    lines.reverse()
     if recorded:
         first = recorded[0]
-        # each line once, where it first appeared; the first failure, the cause of the others, last
-        lines = list(dict.fromkeys(last_line(f) for f in recorded))
-        lines.reverse()
-    else:
-        rank, first = failed.get_first_failure()
-        how = f"with exit code {first.exitcode}"
-        if first.exitcode < 0:
-            how = f"by {first.signal_name()}"
-        lines = [f"run.sh: rank {rank} ended {how}, without an error line of its own; its output is above"]
+    if unrecorded or not recorded:
+        rank, first = (unrecorded or [failed.get_first_failure()])[0]
+        lines.append(unrecorded_line(rank, first))
     try:
         print(*lines, sep="\n", file=sys.stderr, flush=True)
     except OSError:

@@ -581,10 +581,10 @@ class DistributedDataLoader:
     def __init__(self, files_pattern, rank, world_size, device, hint=None, vocab_size=None):
         self.files = sorted(glob.glob(files_pattern))
         if not self.files:
-            raise UserError(f"no data shard matches {files_pattern!r}: {hint or fetch_hint(1, 1)}, "
-                            "or point --train_files/--val_files at your shards")
-        # every header now: a bad shard fails at start-up, not hours in
-        self.sizes = [read_shard_header(path) for path in self.files]
+            raise no_shard_error(files_pattern, hint)
+        # every header now: a bad shard fails at start-up, not hours in; what reopen_shard checks
+        self.facts = [shard_facts(path) for path in self.files]
+        self.sizes = [facts[0] for facts in self.facts]
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -606,7 +606,7 @@ class DistributedDataLoader:
         """Go to a position in a shard, the start of the first by default. Evaluation comes back to
         shard 0 each time: the shard in memory is not read again."""
         if shard != self.shard:
-            self.tokens = load_data_shard(self.files[shard], self.vocab_size)
+            self.tokens = reopen_shard(self, shard)
         self.shard = shard
         self.pos = pos
 
@@ -737,7 +737,8 @@ def train(args, checkpoint=None):
                 break
 
             # --------------- TRAINING SECTION ---------------
-            inputs, targets = train_loader.next_batch(args.batch_size)
+            with checkpoint_on_data_fault(args, log, step, model, adam, muon, train_loader, clock):
+                inputs, targets = train_loader.next_batch(args.batch_size)
             micro_batches = zip(inputs.split(micro_batch), targets.split(micro_batch))
             for i, (micro_inputs, micro_targets) in enumerate(micro_batches):
                 # DDP all-reduces the gradients once a step, in the last micro-batch's backward
@@ -1013,9 +1014,10 @@ def micro_batch_plan(args, world_size):
     val_batch = world_size * args.max_device_batch_size
     micro_batch = min(args.max_device_batch_size, share)
     if args.batch_size % world_size:
+        counts = [str(n) for n in range(1, 9) if args.batch_size % (n * BLOCK_SIZE) == 0]
+        other_batch = "" if args.resume else ", or a --batch_size divisible by the process count"
         raise UserError(f"the global batch of {args.batch_size} tokens does not divide among "
-                        f"{world_size} processes; use 1, 2, 4 or 8 processes, or a --batch_size "
-                        "divisible by the process count")
+                        f"{world_size} processes; use {', '.join(counts)} processes{other_batch}")
     if share % micro_batch or micro_batch % BLOCK_SIZE:
         raise UserError(f"each process's {share} tokens must split into equal micro-batches, "
                         f"multiples of {BLOCK_SIZE} of at most --max_device_batch_size "
@@ -1133,6 +1135,67 @@ def fetch_hint(num_iterations, batch_size):
         shards = "1`"
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
 
+def no_shard_error(pattern, hint):
+    """No shard matches: a [ or ? in the glob (a folder `run[1]`: [1] matches "1") is named."""
+    escaped = re.sub(r"([\[?])", r"[\1]", pattern)
+    advice = f"{hint or fetch_hint(1, 1)}, or point --train_files/--val_files at your shards"
+    if escaped != pattern:
+        advice = f"[ and ? are glob characters: {escaped!r} matches them as such; else {advice}"
+    if glob.glob(escaped):
+        advice = f"[ and ? are glob characters: {escaped!r} matches them as such"
+    return UserError(f"no data shard matches {pattern!r}: {advice}")
+
+def shard_facts(path, expected=None):
+    """A shard's tokens (header checked), size, change time and inode; one line for a file that is
+    not a regular readable one, or (expected: the facts at start-up) one that changed since."""
+    since = "" if expected is None else " since the run started"
+    try:
+        info = os.stat(path)
+        if not os.path.isfile(path):
+            raise IsADirectoryError(0, "a folder, a pipe or a device, not a token shard")
+        facts = (read_shard_header(path), info.st_size, info.st_mtime_ns, info.st_ino)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read this shard{since} ({e.strerror}): narrow "
+                        "--train_files or --val_files to readable shards, or restore it") from None
+    if expected not in (None, facts):
+        raise UserError(f"{path}: changed since the run started ({expected[0]:,} tokens then, "
+                        f"{facts[0]:,} now): restore it")
+    return facts
+
+def reopen_shard(loader, shard):
+    """A shard's tokens; gone, unreadable or changed since start-up, it ends the run on every rank
+    after the same step (they agree here)."""
+    failure = ""
+    try:
+        shard_facts(loader.files[shard], loader.facts[shard])
+        tokens = load_data_shard(loader.files[shard], loader.vocab_size)
+    except UserError as e:
+        failure = str(e)
+    if loader.world_size > 1 and dist.is_initialized():
+        failed = torch.tensor(len(failure), device=loader.device)
+        dist.all_reduce(failed, dist.ReduceOp.MAX)
+        if failed.item() and not failure:
+            failure = f"{loader.files[shard]}: another process of the run could not read it again"
+    if failure:
+        raise UserError(failure)
+    return tokens
+
+@contextlib.contextmanager
+def checkpoint_on_data_fault(args, log, step, model, adam, muon, train_loader, clock):
+    """Where a checkpoint is due, a shard failing mid-run (reopen_shard) ends the run after this
+    step's: the loader has not moved, so a resume reads the same batch."""
+    try:
+        yield
+    except UserError as fault:
+        if args.save_checkpoint or args.checkpoint_every > 0:
+            clock.pause()
+            saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, clock.ms,
+                                    clock.timed_steps(step))
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+            if saved:
+                raise UserError(f"{fault}, then: {resume_command(saved, world_size)}") from None
+        raise
+
 def write_data_shard(path, tokens):
     tokens = np.asarray(tokens)
     assert tokens.ndim == 1 and (tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < 2 ** 16))
@@ -1142,19 +1205,22 @@ def write_data_shard(path, tokens):
 
 def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     """EOT-led documents of 40 to 399 tokens of a random Markov chain: learnable far below
-    ln(vocab)."""
+    ln(vocab). Written into one array, 2 bytes a token as in a shard."""
     table = np.random.default_rng(chain_seed).integers(0, vocab, size=(vocab, successors)).tolist()
     rng = np.random.default_rng(seed)
-    tokens = []
-    while len(tokens) < num_tokens:
+    tokens = np.empty(num_tokens, dtype=np.uint16)
+    filled = 0
+    while filled < num_tokens:
         # the first state, then the length: the order of the draws fixes the stream
         state = int(rng.integers(vocab))
         choices = rng.integers(successors, size=int(rng.integers(39, 399))).tolist()
-        tokens.append(EOT)
+        document = [EOT]
         for choice in choices:
-            tokens.append(state)
+            document.append(state)
             state = table[state][choice]
-    return np.array(tokens[:num_tokens])
+        tokens[filled:filled + len(document)] = document[:num_tokens - filled]
+        filled += len(document)
+    return tokens
 
 def make_writable_folder(folder, option):
     """Make the folder and write in it: an unusable place fails now, naming the option to change."""
@@ -1215,7 +1281,13 @@ def prepare_shards(args, split, num_tokens):
     path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
     make_writable_folder(path.parent, "--log_dir")
     tmp = temp_path(path)
-    write_data_shard(tmp, markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed))
+    try:
+        stream = markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed)
+        write_data_shard(tmp, stream)
+    except (OSError, MemoryError) as e:
+        # its temp file goes at the next start (remove_stale_temp_files)
+        raise UserError(f"cannot write the synthetic shard {path} of {num_tokens:,} tokens "
+                        f"({getattr(e, 'strerror', 'out of memory')}): free some space") from None
     os.replace(tmp, path)
     return glob.escape(str(path))
 
@@ -1249,12 +1321,13 @@ def build_loaders(args, rank, world_size, device, val_batch):
                                 "data; take it out of the train shards or narrow --train_files")
     train_batches = train_loader.batches_before_wrap(args.batch_size)
     passes = args.num_iterations / train_batches
+    fewer_steps = "" if args.resume else ", lower --num_iterations"
     if passes > 1 and not args.allow_data_repeat:
         raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} train "
                         f"tokens ({args.num_iterations * args.batch_size:,} tokens) but the train "
                         f"shards hold {sum(train_loader.sizes):,}, enough for {train_batches} without "
-                        f"repeating: {hint}, lower --num_iterations, or pass --allow_data_repeat true "
-                        "to reuse tokens")
+                        f"repeating: {hint}{fewer_steps}, or pass --allow_data_repeat true to "
+                        "reuse tokens")
     val_batches = val_loader.batches_before_wrap(val_batch)
     if args.val_tokens // val_batch > val_batches:
         raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
@@ -1276,13 +1349,13 @@ def to_console(line, stream=None):
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
-def tell_launcher(line):
-    """Leave this process's last line in the file torchrun names for it, in the format of torchrun's
-    own ErrorHandler: torchrun's report of a failed run quotes it, and ./run.sh prints it last."""
+def tell_launcher(line, code=1):
+    """Leave this process's last line and exit code in the file torchrun names for it, in torchrun's
+    format: its report quotes the line; ./run.sh prints it last and exits with the code."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time()))))
+    message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time())), exit_code=code))
     with contextlib.suppress(OSError):
         Path(path).write_text(json.dumps(dict(message=message)))
 
@@ -1304,6 +1377,20 @@ def post_to_rank_zero(line):
         store = peer_store()
         number = store.add(peer_key("errors"), 1)
         store.set(peer_key(f"error{number}"), line)
+
+def peer_lost(error):
+    """One line for a collective failed as another process died (killed, its node lost), naming
+    the first rank that posted an error (post_to_rank_zero); None for other errors."""
+    backend_failure = r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|NCCL|gloo"
+    if not (isinstance(error, RuntimeError) and re.search(backend_failure, str(error))
+            and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    first = "none left a line: killed, or its node lost; torchrun's report names it"
+    with contextlib.suppress(Exception):
+        store = peer_store()
+        if store.add(peer_key("errors"), 0) > 0:
+            first = f"the first to fail: {store.get(peer_key('error1')).decode()}"
+    return UserError(f"another process of the run stopped answering ({first}); this one ends too")
 
 class PeerErrors:
     """Rank 0 writes into its log the lines other ranks post as they fail. A thread polls for them
@@ -1354,6 +1441,7 @@ class RunLog(contextlib.AbstractContextManager):
     def __init__(self, args, master):
         self.file = None
         self.peers = None
+        self.lock = threading.Lock()
         self.run_id = str(uuid.uuid4())
         self.master = master
         self.removed = []
@@ -1382,19 +1470,21 @@ class RunLog(contextlib.AbstractContextManager):
                     self.peers = PeerErrors(self)
 
     def __call__(self, line, console=True):
-        """Write a line to the log and, unless console is False, to stdout (or the stream given)."""
+        """Write a line to the log (under a lock: PeerErrors' thread writes too) and, unless console
+        is False, to stdout (or the stream given)."""
         if not self.master:
             return
         if console is True:
             to_console(line)
         elif console:
             to_console(line, console)
-        if self.file:
-            try:
-                print(line, file=self.file, flush=True)
-            except OSError as e:
-                self.failure = f"cannot write to the log {self.path} ({e.strerror})"
-                self.close()
+        with self.lock:
+            if self.file:
+                try:
+                    print(line, file=self.file, flush=True)
+                except OSError as e:
+                    self.failure = f"cannot write to the log {self.path} ({e.strerror})"
+                    self.close()
 
     def close(self):
         if self.file:
@@ -1404,13 +1494,15 @@ class RunLog(contextlib.AbstractContextManager):
             self.file = None
 
     def __exit__(self, kind, error, trace):
+        # the other ranks' lines first: the log ends with this rank's own
+        if self.peers:
+            self.peers.close(failed=error is not None)
+        error = peer_lost(error) or error
         # main() prints a UserError; Python prints any other error's traceback, here kept in the log
         if isinstance(error, UserError):
             self(f"error: {error}", console=False)
         elif isinstance(error, Exception):
             self("".join(traceback.format_exception(kind, error, trace)).rstrip(), console=False)
-        if self.peers:
-            self.peers.close(failed=error is not None)
         self.close()
 
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
@@ -1798,13 +1890,15 @@ def log_stop(log, stop_signal, step, saved, world_size):
     else:
         line = f"stopped by {signal.Signals(stop_signal).name} after step {step}; {how}"
     log(line, console=sys.stderr)
-    tell_launcher(line)
+    tell_launcher(line, exit_code(log, True, stop_signal))
 
-def train_shards(args):
+def train_shards(args, loader=None):
     """Names and token counts of the train shards ("synthetic": none, its stream is fixed by the
-    options)."""
+    options); a loader's, as they were at start-up."""
+    if loader is not None and args.train_files != "synthetic":
+        return [f"{os.path.basename(path)}:{n}" for path, n in zip(loader.files, loader.sizes)]
     paths = sorted(glob.glob(args.train_files))
-    return [f"{os.path.basename(path)}:{read_shard_header(path)}" for path in paths]
+    return [f"{os.path.basename(path)}:{shard_facts(path)[0]}" for path in paths]
 
 def load_checkpoint(argv, path):
     """A checkpoint, and its options overridden by those given on the command line (if allowed)."""
@@ -1900,7 +1994,7 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
     timing = (train_time_ms if timed_steps else 0.0, timed_steps)
     state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
                  loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
-                 source_sha256=SOURCE_SHA256, train_shards=train_shards(args))
+                 source_sha256=SOURCE_SHA256, train_shards=train_shards(args, train_loader))
     tmp = temp_path(path)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -1926,6 +2020,8 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
         reason = error.strerror or str(error)
         log(f"warning: the checkpoint of step {step} could not be written ({reason}: it needs "
             f"{needed:.1f} MiB, {free} free in {args.log_dir}); {kept}", console=sys.stderr)
+        if args.save_checkpoint and step == args.num_iterations:
+            log.failure = f"the final checkpoint could not be written ({reason})"
         return None
     log.checkpoints.append((step, path))
     # the last two this run wrote are kept: the older ones of its own, and no other file, go
@@ -2011,10 +2107,14 @@ def main(argv=None):
     except UserError as e:
         # Once a node (local rank 0), so that each node's console has it, a checkpoint missing on
         # one node included; an error of one rank alone (every_rank) on that rank.
-        if e.every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            last_words(f"error: {e}", own=e.every_rank)
+        console = e.every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0
+        last_words(f"error: {e}", console=console, own=e.every_rank)
         return 1
     except Exception as e:
+        lost = peer_lost(e)
+        if lost:
+            last_words(f"error: {lost}", console=os.environ["LOCAL_RANK"] == "0", own=False)
+            return 1
         # its traceback follows; the first line of the message (C++ errors add a stack) for the rest
         first_line = next(iter(str(e).splitlines()), "")
         last_words(f"error: unexpected {type(e).__name__}: {first_line} (its traceback is above)",
