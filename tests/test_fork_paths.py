@@ -114,6 +114,8 @@ def relative_error(value, reference):
 @pytest.mark.parametrize("chunk_rows", [0, 16], ids=["whole", "chunks_of_16_rows"])
 def test_fused_head_follows_a_forks_softcap(monkeypatch, chunk_rows):
     monkeypatch.setattr(GPT, "softcap", 30)
+    if not train_gpt.head_matches_kernel(GPT(16, 6, 1, 16)):
+        pytest.skip("this GPT's head is not softcap tanh(z / softcap): its fused head stays off")
     x, weight, targets = head_case()
     reference = float64_head(x, weight, targets, softcap=30)
     # the test can tell the two softcaps apart
@@ -162,6 +164,7 @@ class LogLines(list):
         self.append(line)
 
 
+@pytest.mark.record18
 @needs_triton
 def test_the_records_head_and_a_forks_softcap_keep_the_fused_kernel(monkeypatch):
     for softcap in (15, 30, 7.5):
