@@ -1017,11 +1017,10 @@ KERNEL_SOFTCAP_LIMIT = 43
 def head_matches_kernel(model):
     """Whether the kernel computes the model's head: a numeric GPT.softcap up to the limit, and
     GPT.logits and GPT.head_loss's plain path equal to softcap tanh(z / softcap) and its mean
-    cross-entropy at logits z from -4 to 4 softcaps (lm_head swapped for the identity)."""
+    cross-entropy on 4 rows of logits z from -4 to 4 softcaps (lm_head swapped for the identity)."""
     softcap = model.softcap
     if not isinstance(softcap, (int, float)) or not 0 < softcap <= KERNEL_SOFTCAP_LIMIT:
         return False
-    # 4 rows of 16 logits, each from -4 to 4 softcaps, and targets at unlike places
     z = torch.linspace(-4, 4, 64, device=model.lm_head.weight.device).view(16, 4).T * softcap
     targets = torch.tensor([3, 12, 7, 0], device=z.device)
     expected = softcap * torch.tanh(z / softcap)
@@ -1044,9 +1043,8 @@ def check_fused_head(model, option, log):
     refused; auto falls back to the plain head, saying so."""
     if not model.fused_head_loss or head_matches_kernel(model):
         return
-    reason = ("GPT.logits or GPT.head_loss is not what the kernel computes, softcap tanh(z / "
-              "softcap) and its cross-entropy with GPT.softcap a number up to "
-              f"{KERNEL_SOFTCAP_LIMIT}")
+    reason = ("GPT.logits or GPT.head_loss is not the kernel's softcap tanh(z / softcap) and "
+              f"cross-entropy with a numeric GPT.softcap up to {KERNEL_SOFTCAP_LIMIT}")
     if option == "true":
         raise UserError(f"--fused_head_loss true: {reason}: pass --fused_head_loss false")
     model.fused_head_loss = False
@@ -1059,15 +1057,14 @@ def option_facts():
     """Each option's facts, from its field (option()): {name: dict(rules=, fixed=, graph=)}."""
     for f in fields(Hyperparameters):
         if "rules" not in f.metadata:
-            raise UserError(f"the option {f.name} has no facts: declare its field as `{f.name}: "
-                            "TYPE = option(DEFAULT, RULES..., fixed=..., graph=...)`")
+            raise UserError(f"the option {f.name} has no facts: declare its field with "
+                            "option(DEFAULT, RULES..., fixed=..., graph=...)")
     return {f.name: f.metadata for f in fields(Hyperparameters)}
 
 def check_hyperparameters(args):
-    """Refuse any value that cannot work, naming the option and its valid range: the rules of each
-    field in field order, then those that read other options, which then hold valid values."""
+    """Refuse any value that cannot work, naming the option and its valid range: each field's rules
+    in field order, then those that read other options (words that are a function of them)."""
     checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
-    # a rule that reads other options says so: its words are a function of them
     checks.sort(key=lambda check: callable(check[1][1]))
     for name, (valid, allowed) in checks:
         value = getattr(args, name)

@@ -256,7 +256,7 @@ def test_an_option_added_without_facts_is_one_line_saying_what_to_add(monkeypatc
     fork_with_one_more_option(monkeypatch, 4)
     assert train_gpt.main(["--preset", "smoke", "--log_dir", str(tmp_path / "logs")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: the option mlp_ratio has no facts: declare its field as ")
+    assert err.startswith("error: the option mlp_ratio has no facts: declare its field with ")
     assert "option(" in err and err.count("\n") == 1
 
 
