@@ -34,33 +34,12 @@ import time
 # before the heavy imports: start-up is counted from launch
 LAUNCH_TIME = time.time()
 
-import argparse
 import contextlib
-import datetime
-import filecmp
 import glob
-import hashlib
-import importlib.metadata
-import json
 import math
 import os
-import re
-import resource
-import shlex
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
-import traceback
-import uuid
-import zipfile
-from dataclasses import asdict
 from dataclasses import dataclass
-from dataclasses import fields
-from pathlib import Path
+from dataclasses import field
 
 import numpy as np
 import torch
@@ -71,84 +50,125 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import flex_attention
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-# triton has Linux wheels only; without it (macOS, Windows) --fused_head_loss stays off
-try:
-    import triton
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-except ImportError:
-    triton = None
-
 # --------------------------------------------------------------------------------------------------
 # Configuration
 
+# FlexAttention's block: sequences are multiples of it, and the window is counted in whole blocks
+BLOCK_SIZE = 128
+# <|endoftext|>, which precedes every document
+EOT = 50256
+
+def option(default, *rules, fixed=False, graph=0):
+    """A field of Hyperparameters with its facts. rules: (test of the value and the options, the
+    valid values in words), checked at start-up in field order, those whose words are a function of
+    the options (they read others) last. fixed: a resumed run keeps the checkpoint's value. graph:
+    its place in the compile cache's stamp, for an option that shapes compiled graphs (0: none)."""
+    return field(default=default, metadata=dict(rules=rules, fixed=fixed, graph=graph))
+
+# rules that options share
+AT_LEAST_0 = (lambda v, args: v >= 0, "at least 0")
+AT_LEAST_1 = (lambda v, args: v >= 1, "at least 1")
+SHARDS = (lambda v, args: v != "", "a glob of token shards or 'synthetic'")
+# the window, interpolated between its two ends, must hold a whole block at every step
+WINDOW = (lambda v, args: v >= BLOCK_SIZE, f"at least {BLOCK_SIZE} tokens (one attention block)")
+LEARNING_RATE = (lambda v, args: 0 <= v < math.inf, "finite and at least 0 (0 freezes)")
+# 1 would never let a gradient into the running averages
+BELOW_1 = (lambda v, args: 0 <= v < 1, "at least 0 and below 1")
+FILE = (lambda v, args: v == "" or os.path.isfile(v), "an existing file, or '' (downloaded once)")
+AUTO = (lambda v, args: v in ("auto", "true", "false"), "auto (on with CUDA), true or false")
+
 @dataclass
 class Hyperparameters:
-    """Every option of a run; the defaults are record 18's. `--NAME VALUE` overrides any of them."""
+    """Every option of a run; the defaults are record 18's. `--NAME VALUE` overrides any of them.
+    An option is its field alone: option() holds its checks, and what resume and compile need."""
 
     # data: globs of token shards, read in sorted name order ("synthetic": generated, no download)
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760  # fixed by the record rules
-    allow_data_repeat: bool = False  # read the train stream more than once (never a record)
+    train_files: str = option("data/fineweb10B/fineweb_train_*.bin", SHARDS)
+    val_files: str = option("data/fineweb10B/fineweb_val_*.bin", SHARDS)
+    val_tokens: int = option(10_485_760, (
+        lambda v, args: v > 0 and v % args.max_device_batch_size == 0,
+        lambda args: "a positive multiple of --max_device_batch_size "
+                     f"({args.max_device_batch_size})"))  # fixed by the record rules
+    allow_data_repeat: bool = option(False)  # read the train stream more than once (never a record)
 
-    # batch and schedule
-    batch_size: int = 8 * 64 * 1024  # tokens per step, whatever the number of processes
-    # one packed sequence per forward; a process's longer share is accumulated
-    max_device_batch_size: int = 64 * 1024
-    num_iterations: int = 1390
-    cooldown_frac: float = 0.4  # the lr decays linearly to 0 over the last 40% of the steps
+    # batch and schedule: tokens per step, whatever the number of processes
+    batch_size: int = option(8 * 64 * 1024, (lambda v, args: v > 0 and v % BLOCK_SIZE == 0,
+                                             f"a positive multiple of {BLOCK_SIZE}"), fixed=True)
+    # one packed sequence per forward (within Rotary's table); longer shares are accumulated
+    max_device_batch_size: int = option(64 * 1024, (
+        lambda v, args: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
+        f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"), graph=11)
+    num_iterations: int = option(1390, AT_LEAST_1, fixed=True)
+    # the lr decays linearly to 0 over the last 40% of the steps
+    cooldown_frac: float = option(0.4, (lambda v, args: 0 <= v <= 1,
+                                        "from 0 (no decay) to 1 (decay from the first step)"))
     # the attention window in tokens at step 0 and at the end: 1 to 14 blocks of 128
-    window_start: int = 128
-    window_end: int = 1856
+    window_start: int = option(128, WINDOW)
+    window_end: int = option(1856, WINDOW)
 
-    # model
-    vocab_size: int = 50304  # GPT-2's 50,257 tokens padded to a multiple of 128
-    num_layers: int = 12
-    num_heads: int = 6
-    model_dim: int = 768
-    attention_free_layer: int = 7  # none if >= num_layers
-    bf16_embeds: bool = True
+    # model: GPT-2's 50,257 tokens padded to a multiple of 128
+    vocab_size: int = option(50304, (lambda v, args: v > EOT, f"at least {EOT + 1}: GPT-2 token "
+                                     f"ids go up to {EOT} (end of text)"), fixed=True, graph=1)
+    num_layers: int = option(12, (lambda v, args: v >= 6 and v % 2 == 0, "even, at least 6 (U-net "
+                                  "halves, 3+3 value-embedded layers)"), fixed=True, graph=2)
+    num_heads: int = option(6, AT_LEAST_1, fixed=True, graph=3)
+    model_dim: int = option(768, (
+        lambda v, args: v > 0 and v % (4 * args.num_heads) == 0,
+        lambda args: f"a positive multiple of 4 x --num_heads ({4 * args.num_heads}): heads of a "
+                     "size divisible by 4 (rotary)"), fixed=True, graph=4)
+    attention_free_layer: int = option(7, AT_LEAST_0, fixed=True, graph=5)  # none if >= num_layers
+    bf16_embeds: bool = option(True, fixed=True, graph=6)
 
     # optimisers: Adam for the embeddings, the head and the scalars; Muon for the block matrices
-    embed_lr: float = 0.6
-    head_lr: float = 0.008
-    scalar_lr: float = 0.04
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
+    embed_lr: float = option(0.6, LEARNING_RATE)
+    head_lr: float = option(0.008, LEARNING_RATE)
+    scalar_lr: float = option(0.04, LEARNING_RATE)
+    adam_beta1: float = option(0.8, BELOW_1)
+    adam_beta2: float = option(0.95, BELOW_1)
     # PyTorch's default, as in record 18 (a later record's 1e-10 measured worse with this schedule)
-    adam_eps: float = 1e-8
-    muon_lr: float = 0.05
-    muon_momentum_start: float = 0.85
-    muon_momentum: float = 0.95
-    muon_momentum_warmup_steps: int = 300
+    adam_eps: float = option(1e-8, (lambda v, args: 0 < v < math.inf, "finite and above 0"))
+    muon_lr: float = option(0.05, LEARNING_RATE)
+    muon_momentum_start: float = option(0.85, BELOW_1)
+    muon_momentum: float = option(0.95, BELOW_1)
+    muon_momentum_warmup_steps: int = option(300, AT_LEAST_0)
 
     # evaluation and logging
-    val_loss_every: int = 125  # 0: only after the last step
-    log_dir: str = "logs"
-    seed: int = 0
+    val_loss_every: int = option(125, AT_LEAST_0)  # 0: only after the last step
+    log_dir: str = option("logs", (lambda v, args: v != "" and not os.path.isfile(v),
+                                   "a folder name (not empty, not an existing file)"))
+    seed: int = option(0, (lambda v, args: 0 <= v < 2 ** 64,
+                           "from 0 to 2**64 - 1 (torch.manual_seed's range)"))
     # after the last step, outside train time: HellaSwag's 10,042 examples (evals/hellaswag.py,
     # downloaded once), or those of a JSON Lines file in its format
-    hellaswag: bool = False
-    hellaswag_data: str = ""
+    hellaswag: bool = option(False)
+    hellaswag_data: str = option("", FILE)
     # for --hellaswag offline: a tiktoken ranks file of GPT-2's BPE ("": tiktoken's, downloaded)
-    tokenizer: str = ""
+    tokenizer: str = option("", FILE)
 
     # checkpoints, in log_dir/<run id>/, resumable; a run keeps its last two
-    save_checkpoint: bool = False  # at the end
-    checkpoint_every: int = 0  # every N steps (0: never)
-    resume: str = ""  # a checkpoint to go on from; its options become the defaults
+    save_checkpoint: bool = option(False)  # at the end
+    checkpoint_every: int = option(0, AT_LEAST_0)  # every N steps (0: never)
+    resume: str = option("")  # a checkpoint to go on from; its options become the defaults
 
     # compile and kernels
-    compile: str = "auto"  # auto: on CUDA only (FlexAttention has no CPU backward)
+    compile: str = option("auto", AUTO)  # auto: on CUDA only (FlexAttention has no CPU backward)
     # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compiling
-    compile_tuning: bool = False
-    # a file: compiled code loaded from it before compiling, saved to it after step 1
-    compile_cache: str = ""
-    regional_compile: bool = False  # each block and the head compiled alone
+    compile_tuning: bool = option(False, graph=10)
+    # a file: compiled code loaded from it before compiling, saved to it after step 1; it is
+    # replaced then, so a file that is not one of the trainer's caches never is
+    compile_cache: str = option("", (
+        lambda v, args: not os.path.isdir(v), "a file name or '' (off), not a folder"), (
+        lambda v, args: not os.path.exists(v) or is_compile_cache(v),
+        "a new file or a compile cache this trainer wrote (this file is not a compile cache and "
+        "would be overwritten: pick another name)"))
+    regional_compile: bool = option(False, graph=9)  # each block and the head compiled alone
     # softcap, cross-entropy and its gradient in one Triton kernel; auto: on with CUDA
-    fused_head_loss: str = "auto"
-    head_chunk_rows: int = 0  # fused head: logits by chunks of rows (0: all at once)
+    fused_head_loss: str = option("auto", AUTO, (
+        lambda v, args: v != "true" or triton is not None, "auto or false: triton, which its "
+        "kernel needs, is not installed (`pip install -r requirements.txt` installs it, on Linux "
+        "only)"), graph=7)
+    # fused head: logits by chunks of rows (0: all at once)
+    head_chunk_rows: int = option(0, AT_LEAST_0, graph=8)
 
 # A small model and a short run: under a minute on a 2-core CPU, every part exercised. A CPU step
 # is mostly the 50,304-wide head: so 12 steps, and 8x the record's head lr to learn in them. A step
@@ -162,11 +182,6 @@ PRESETS = {
         train_files="synthetic", val_files="synthetic",
     ),
 }
-
-# FlexAttention's block: sequences are multiples of it, and the window is counted in whole blocks
-BLOCK_SIZE = 128
-# <|endoftext|>, which precedes every document
-EOT = 50256
 
 class UserError(Exception):
     """A mistake the user can fix: main() prints its message as one line, without a traceback."""
@@ -382,6 +397,10 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 class GPT(nn.Module):
+    # logit softcap (as in Gemma 2): tanh by @Grad62304977, lowered from 30 to 15 by @KoszarskyB;
+    # the fused head's kernel takes it from here
+    softcap = 15
+
     def __init__(self, vocab_size, num_layers, num_heads, model_dim, *, attention_free_layer=7,
                  bf16_embeds=True, fused_head_loss=False, head_chunk_rows=0):
         super().__init__()
@@ -440,31 +459,33 @@ class GPT(nn.Module):
         return self.head_loss(norm(x)[0], targets)
 
     def logits(self, x):
-        """The head's logits, softcapped into (-15, 15)."""
-        # logit softcap (as in Gemma 2): tanh by @Grad62304977, lowered from 30 to 15 by @KoszarskyB
-        return 15 * torch.tanh(self.lm_head(x) / 15)
+        """The head's logits, softcapped into (-softcap, softcap)."""
+        return self.softcap * torch.tanh(self.lm_head(x) / self.softcap)
 
     def head_loss(self, x, targets):
         if self.fused_head_loss:
             # the same maths, the softcap, loss and gradient in one kernel (below the fence)
-            return fused_head_loss(x, self.lm_head.weight, targets, self.head_chunk_rows)
+            return fused_head_loss(x, self.lm_head.weight, targets, self.head_chunk_rows,
+                                   self.softcap)
         return F.cross_entropy(self.logits(x).float(), targets)
 
 # --------------------------------------------------------------------------------------------------
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
 
-def build_dense_mask(inputs, window_blocks):
-    """The definition of the mask, as a dense (T, T) boolean matrix: query q may attend to key k
-    exactly when k <= q, both lie in the same document, and k's block is fewer than window_blocks
-    blocks before q's. The CPU computes attention with it; the block mask below must equal it."""
-    docs = (inputs == EOT).cumsum(0)
-    pos = torch.arange(len(inputs), device=inputs.device)
-    q = pos[:, None]
-    k = pos[None, :]
+def may_attend(q, k, docs, window_blocks):
+    """The definition of the mask: query q may attend to key k exactly when k <= q, both lie in the
+    same document (docs: each token's), and k's block is fewer than window_blocks blocks before q's.
+    Both masks below apply it: the dense one to every pair, the block mask's mask_mod too."""
     causal = k <= q
     in_window = k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks
-    same_document = docs[:, None] == docs[None, :]
+    same_document = docs[q] == docs[k]
     return causal & in_window & same_document
+
+def build_dense_mask(inputs, window_blocks):
+    """The mask as a dense (T, T) boolean matrix: the CPU computes attention with it."""
+    docs = (inputs == EOT).cumsum(0)
+    pos = torch.arange(len(inputs), device=inputs.device)
+    return may_attend(pos[:, None], pos[None, :], docs, window_blocks)
 
 def listed_rows(first, last, window_blocks):
     """For each query block (a row), the counts and lists of its partial and full key blocks, from
@@ -510,19 +531,15 @@ def build_block_mask(inputs, window_blocks):
     # The query-side lists (for the backward pass) are the rows of the mirror image: blocks reversed
     # and document ids negated, so that its row r is our column num_blocks - 1 - r. They are given
     # to the constructor, because from_kv_blocks would compute them with a sort.
-    mirrored = listed_rows(-last.flip(0), -first.flip(0), window_blocks)
-    q_lists = []
-    for t in mirrored:
-        if t.dim() == 3:
-            # a count per row
-            q_lists.append(t.flip(-1))
-        else:
-            # an index list per row
-            q_lists.append(num_blocks - 1 - t.flip(-2))
+    partial_count, partial, full_count, full = listed_rows(-last.flip(0), -first.flip(0),
+                                                           window_blocks)
+    q_lists = [partial_count.flip(-1), num_blocks - 1 - partial.flip(-2), full_count.flip(-1),
+               num_blocks - 1 - full.flip(-2)]
 
     def document_causal(b, h, q_idx, kv_idx):
-        """The per-token test, applied in partial blocks only."""
-        return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+        """The whole mask token by token: compiled, it is applied in partial blocks only; uncompiled
+        flex_attention ignores the block lists and applies it to every pair."""
+        return may_attend(q_idx, kv_idx, docs, window_blocks)
 
     seq_lengths = (len(inputs), len(inputs))
     return BlockMask(seq_lengths, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE),
@@ -530,31 +547,6 @@ def build_block_mask(inputs, window_blocks):
 
 # --------------------------------------------------------------------------------------------------
 # Data: token shards, and the loader that every rank walks in step
-
-# a shard: a header of 256 little-endian int32 (magic, version, token count), then uint16 tokens
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-HEADER_BYTES = 256 * 4
-REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
-
-def read_shard_header(path):
-    """Check a shard's header against its size, without reading the tokens; returns their count."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
-    if len(header) < 256:
-        raise UserError(f"{path}: truncated shard ({size} bytes, under the 1024-byte header); "
-                        f"{REFETCH_HINT}")
-    if header[0] != SHARD_MAGIC:
-        raise UserError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
-    if header[1] != SHARD_VERSION:
-        raise UserError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
-    num_tokens = int(header[2])
-    expected = HEADER_BYTES + 2 * num_tokens
-    if size != expected:
-        raise UserError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file "
-                        f"has {size} bytes (truncated or corrupt); {REFETCH_HINT}")
-    return num_tokens
 
 def load_data_shard(path, vocab_size=None):
     """A shard's tokens, read straight into (with CUDA, pinned) memory (@YouJiacheng); with
@@ -679,6 +671,52 @@ def evaluate(model, loader, args, val_batch, window_blocks, world_size):
 # --------------------------------------------------------------------------------------------------
 # Training
 
+def micro_batch_plan(args, world_size):
+    """The micro-batch size, micro-batches per step and the val batch, with the checks that need the
+    process count."""
+    share = args.batch_size // world_size
+    val_batch = world_size * args.max_device_batch_size
+    micro_batch = min(args.max_device_batch_size, share)
+    if args.batch_size % world_size:
+        counts = [str(n) for n in range(1, 9) if args.batch_size % (n * BLOCK_SIZE) == 0]
+        other_batch = "" if args.resume else ", or a --batch_size divisible by the process count"
+        raise UserError(f"the global batch of {args.batch_size} tokens does not divide among "
+                        f"{world_size} processes; use {', '.join(counts)} processes{other_batch}")
+    if share % micro_batch or micro_batch % BLOCK_SIZE:
+        raise UserError(f"each process's {share} tokens must split into equal micro-batches, "
+                        f"multiples of {BLOCK_SIZE} of at most --max_device_batch_size "
+                        f"{args.max_device_batch_size}")
+    if args.val_tokens % val_batch:
+        raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x "
+                        f"--max_device_batch_size = {val_batch}")
+    return micro_batch, share // micro_batch, val_batch
+
+def build_model(args, device, world_size, compiled, log):
+    """The model (seeded), its optimisers, and the module that trains: compiled with static shapes
+    as in record 18 (one graph per shape, none per step), and in DDP with several processes."""
+    torch.manual_seed(args.seed)
+    model = GPT.from_args(args, device).to(device)
+    # the fused head only where it computes what GPT.head_loss does (a fork may change that)
+    check_fused_head(model, args.fused_head_loss, log)
+    adam, muon = build_optimizers(model, args, compiled=compiled)
+    train_model = model
+    if compiled and args.compile_tuning:
+        # not in record 18: on an H100, a first compile of 514 s instead of 120 s, for 0.5% faster
+        from torch._inductor import config as inductor_config
+        inductor_config.coordinate_descent_tuning = True
+    if compiled and args.regional_compile:
+        train_model = compile_regions(model)
+    elif compiled:
+        train_model = torch.compile(model, dynamic=False)
+    if world_size > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        train_model = DDP(train_model, device_ids=device_ids, broadcast_buffers=False,
+                          gradient_as_bucket_view=True)
+    return model, train_model, adam, muon
+
+# the first steps compile and warm up: train time starts after them, as in the record
+UNTIMED_STEPS = 10
+
 def train(args, checkpoint=None):
     """One run: set-up, then validation, checkpoints, training, logging; returns the exit code."""
     rank, world_size, device = setup_device()
@@ -694,7 +732,7 @@ def train(args, checkpoint=None):
     with (RunLog(args, master) as log, out_of_memory_as_error(micro_batch),
           CleanStop(world_size, log) as stop):
         log.header(args, world_size, device, train_loader, val_loader, passes, cache_note)
-        model, train_model, adam, muon = build_model(args, device, world_size, compiled)
+        model, train_model, adam, muon = build_model(args, device, world_size, compiled, log)
         start, timing = resume(checkpoint, log, model, adam, muon, train_loader)
         clock = TrainClock(device, start, *timing)
         train_losses = TrainLossLog(log, device, args.num_iterations, accum_steps)
@@ -713,7 +751,7 @@ def train(args, checkpoint=None):
 
             # --------------- VALIDATION AND CHECKPOINTS (not train time) ---------------
             final_checkpoint = args.save_checkpoint and (stopping or last_step)
-            scheduled_checkpoint = (args.checkpoint_every > 0) and (step % args.checkpoint_every == 0)
+            scheduled_checkpoint = args.checkpoint_every > 0 and step % args.checkpoint_every == 0
             periodic_checkpoint = (args.checkpoint_every > 0) and (stopping or scheduled_checkpoint)
             checkpoint_now = (step > start) and (final_checkpoint or periodic_checkpoint)
             scheduled_validation = (args.val_loss_every > 0) and (step % args.val_loss_every == 0)
@@ -781,23 +819,58 @@ def train(args, checkpoint=None):
 
 # ==================================================================================================
 # Everything above is the speedrun: a change to the model, the optimiser or the schedule needs
-# nothing below. Below: the fused-head kernels (a faster form of GPT.head_loss, the same maths),
-# then the operations that make a run safe and repeatable (option checks, device set-up, data
-# budget, run log, train time and the step lines, compile cache, checkpoints, resume and stopping,
-# argument parsing, main).
+# nothing below. Below, first, the fused-head kernels: the default GPU path, which CUDA runs in
+# place of GPT.head_loss (--fused_head_loss auto). They mirror GPT.logits (softcap GPT.softcap)
+# and its cross-entropy; at start-up a check compares them with GPT's head, which runs instead
+# where they differ. Then the operations that make a run safe and repeatable (option checks, which
+# read each option's facts from its field, device set-up, data budget, run log, train time and the
+# step lines, compile options and cache, checkpoints, resume and stopping, argument parsing, main).
 # ==================================================================================================
+
+import argparse
+import datetime
+import filecmp
+import hashlib
+import importlib.metadata
+import json
+import re
+import resource
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import uuid
+import zipfile
+from dataclasses import asdict
+from dataclasses import fields
+from pathlib import Path
+
+# triton has Linux wheels only; without it (macOS, Windows) --fused_head_loss stays off
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:
+    triton = None
 
 # --------------------------------------------------------------------------------------------------
 # Fused head: --fused_head_loss
 #
-# z = x W^T by cuBLAS; then a Triton kernel reads each row of z once for the softcap c = 15 t with
-# t = tanh(z / 15) and the loss logsumexp(c) - c[target]; in training it overwrites z with
-# d(mean loss)/dz.
+# z = x W^T by cuBLAS; then a Triton kernel reads each row of z once for the softcap c = s t with
+# t = tanh(z / s) and the loss logsumexp(c) - c[target]; in training it overwrites z with
+# d(mean loss)/dz. s is GPT.softcap, a constant of the compiled kernel (15 as in record 18); at
+# start-up, check_fused_head turns the kernel off where GPT.logits or head_loss compute another.
 
 if triton is not None:
     @triton.jit
     def softcapped_cross_entropy_kernel(logits, targets, losses, rows, grad_scale,
-                                        VOCAB: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                                        VOCAB: tl.constexpr, SOFTCAP: tl.constexpr,
+                                        ROWS: tl.constexpr, COLS: tl.constexpr,
                                         WRITE_GRAD: tl.constexpr, TANH_APPROX: tl.constexpr):
         """ROWS x COLS at a time, in fp32. Builtins only: a jit helper would not run interpreted."""
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -819,23 +892,23 @@ if triton is not None:
                 if TANH_APPROX:
                     # CUDA: one instruction, instead of the exp and reciprocal that bound the kernel
                     t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f",
-                                                  [z.to(tl.float32) * (1 / 15)],
+                                                  [z.to(tl.float32) * (1 / SOFTCAP)],
                                                   dtype=tl.float32, is_pure=True, pack=1)
                 else:
-                    t = 1 - 2 / (1 + tl.exp(z.to(tl.float32) * (2 / 15)))
+                    t = 1 - 2 / (1 + tl.exp(z.to(tl.float32) * (2 / SOFTCAP)))
                 is_target = col[None, :] == target[:, None]
                 if sweep == 0:
-                    # c < 15 bounds exp(c - 15) by 1: no running maximum is needed
-                    total += tl.where(col_ok, tl.exp(15 * t - 15), 0)
-                    c_target += tl.where(is_target, 15 * t, 0)
+                    # c < s bounds exp(c - s) by 1: no running maximum is needed
+                    total += tl.where(col_ok, tl.exp(SOFTCAP * t - SOFTCAP), 0)
+                    c_target += tl.where(is_target, SOFTCAP * t, 0)
                 else:
                     # d loss / dz = (softmax(c) - onehot(target)) dc/dz, with dc/dz = 1 - t^2
-                    p = tl.exp(15 * t - lse[:, None])
+                    p = tl.exp(SOFTCAP * t - lse[:, None])
                     g = tl.where(is_target, p - 1, p) * (1 - t * t) * grad_scale
                     # streamed past L2, which stays for the reads
                     tl.store(row_start[:, None] + col[None, :], g, mask=mask, cache_modifier=".cs")
             if sweep == 0:
-                lse = 15 + tl.log(tl.reduce(total, 1, tl.standard._sum_combine))
+                lse = SOFTCAP + tl.log(tl.reduce(total, 1, tl.standard._sum_combine))
                 loss = lse - tl.reduce(c_target, 1, tl.standard._sum_combine)
                 tl.store(losses + row, loss, mask=row_ok)
 
@@ -844,10 +917,10 @@ HEAD_LAUNCH_CUDA = dict(ROWS=1, COLS=4096, num_warps=16, TANH_APPROX=True)
 # Triton's interpreter, which runs numpy: big blocks
 HEAD_LAUNCH_CPU = dict(ROWS=128, COLS=8192, TANH_APPROX=False)
 
-def softcapped_cross_entropy_(logits, targets, grad_scale=None):
-    """Per-row losses of the softcapped logits 15 tanh(z / 15); with grad_scale, z is overwritten
-    with grad_scale * d(sum of losses)/dz. On a CPU it runs in Triton's interpreter (triton.jit
-    chose the compiler at import; TRITON_INTERPRET would switch every kernel)."""
+def softcapped_cross_entropy_(logits, targets, grad_scale=None, softcap=GPT.softcap):
+    """Per-row losses of the softcapped logits softcap tanh(z / softcap); with grad_scale, z is
+    overwritten with grad_scale * d(sum of losses)/dz. On a CPU it runs in Triton's interpreter
+    (triton.jit chose the compiler at import; TRITON_INTERPRET would switch every kernel)."""
     assert logits.is_contiguous() and targets.dtype == torch.int64
     kernel = softcapped_cross_entropy_kernel
     launch = HEAD_LAUNCH_CUDA
@@ -858,11 +931,12 @@ def softcapped_cross_entropy_(logits, targets, grad_scale=None):
         launch = HEAD_LAUNCH_CPU
         buffer = logits.float()
     losses = logits.new_empty(len(logits), dtype=torch.float32)
-    # numpy warns of exp(2z / 15) = inf, where tanh saturates as it should
+    # numpy warns of exp(2z / softcap) = inf, where tanh saturates as it should
     with np.errstate(over="ignore"):
         grid = (triton.cdiv(len(logits), launch["ROWS"]),)
         kernel[grid](buffer, targets.contiguous(), losses, len(logits), grad_scale or 0.0,
-                     VOCAB=logits.size(1), WRITE_GRAD=grad_scale is not None, **launch)
+                     VOCAB=logits.size(1), SOFTCAP=softcap, WRITE_GRAD=grad_scale is not None,
+                     **launch)
     if grad_scale is not None and buffer is not logits:
         logits.copy_(buffer)
     return losses
@@ -871,10 +945,10 @@ class FusedHeadLoss(torch.autograd.Function):
     """The forward pass leaves d(mean loss)/dz in the logits' buffer z; the backward pass scales the
     small products, never z itself."""
     @staticmethod
-    def forward(ctx, x, weight, targets):
+    def forward(ctx, x, weight, targets, softcap):
         # the logits, until the kernel overwrites them with their gradient
         grad_logits = matmul(x, weight.type_as(x).T)
-        loss = softcapped_cross_entropy_(grad_logits, targets, grad_scale=1 / x.size(0)).mean()
+        loss = softcapped_cross_entropy_(grad_logits, targets, 1 / x.size(0), softcap).mean()
         ctx.save_for_backward(x, weight, grad_logits)
         return loss
 
@@ -887,13 +961,13 @@ class FusedHeadLoss(torch.autograd.Function):
             grad_x = matmul(grad_logits, weight.type_as(x)).mul_(grad_loss)
         if ctx.needs_input_grad[1]:
             grad_w = matmul(grad_logits.T, x).float().mul_(grad_loss)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 class ChunkedHeadLoss(torch.autograd.Function):
     """FusedHeadLoss by chunks of rows: never all the logits at once. The forward pass computes the
     gradients too; the backward pass scales them."""
     @staticmethod
-    def forward(ctx, x, weight, targets, chunk_rows):
+    def forward(ctx, x, weight, targets, chunk_rows, softcap):
         w = weight.type_as(x)
         loss = 0
         grad_w = 0
@@ -901,7 +975,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         chunks = zip(x.split(chunk_rows), targets.split(chunk_rows), grad_x.split(chunk_rows))
         for xs, ts, gs in chunks:
             grad_logits = matmul(xs, w.T)
-            loss += softcapped_cross_entropy_(grad_logits, ts, grad_scale=1 / len(x)).sum()
+            loss += softcapped_cross_entropy_(grad_logits, ts, 1 / len(x), softcap).sum()
             gs.copy_(matmul(grad_logits, w))
             # fp32 products and sums, never bf16
             grad_w += matmul(grad_logits.T, xs, out_dtype=torch.float32)
@@ -911,25 +985,25 @@ class ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_loss, grad_w * grad_loss, None, None
+        return grad_x * grad_loss, grad_w * grad_loss, None, None, None
 
 # A deliberate graph break: traced, the in-place kernel could be functionalised into a 6.6 GB copy.
 # Not torch.compiler.disable: that imports torch._dynamo, which makes a cache folder.
 @torch._disable_dynamo
-def fused_head_loss(x, weight, targets, chunk_rows=0):
+def fused_head_loss(x, weight, targets, chunk_rows=0, softcap=GPT.softcap):
     """The mean softcapped cross-entropy of x W^T, as GPT.head_loss computes it, by the kernel."""
     training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if training and chunk_rows:
-        return ChunkedHeadLoss.apply(x, weight, targets, chunk_rows)
+        return ChunkedHeadLoss.apply(x, weight, targets, chunk_rows, softcap)
     if training:
-        return FusedHeadLoss.apply(x, weight, targets)
+        return FusedHeadLoss.apply(x, weight, targets, softcap)
     w = weight.type_as(x)
     if chunk_rows:
         # evaluation: the loss only, by chunks as in training
         parts = zip(x.split(chunk_rows), targets.split(chunk_rows))
-        losses = [softcapped_cross_entropy_(matmul(xs, w.T), ts) for xs, ts in parts]
+        losses = [softcapped_cross_entropy_(matmul(xs, w.T), ts, None, softcap) for xs, ts in parts]
         return torch.cat(losses).mean()
-    return softcapped_cross_entropy_(matmul(x, w.T), targets).mean()
+    return softcapped_cross_entropy_(matmul(x, w.T), targets, softcap=softcap).mean()
 
 def fused_head_on(option, device):
     """--fused_head_loss, which needs triton: auto means on with NVIDIA's CUDA only. ROCm builds
@@ -940,92 +1014,74 @@ def fused_head_on(option, device):
         return device.type == "cuda" and torch.version.hip is None
     return option == "true"
 
+# the kernel sums exp(c - softcap) without a running maximum: exact while exp(-2 softcap) is normal
+KERNEL_SOFTCAP_LIMIT = 43
+
+def head_matches_kernel(model):
+    """Whether the kernel computes the model's head: a numeric GPT.softcap up to the limit, and
+    GPT.logits and GPT.head_loss's plain path equal to softcap tanh(z / softcap) and its mean
+    cross-entropy on 4 rows of logits z from -4 to 4 softcaps (lm_head swapped for the identity)."""
+    softcap = model.softcap
+    if not isinstance(softcap, (int, float)) or not 0 < softcap <= KERNEL_SOFTCAP_LIMIT:
+        return False
+    z = torch.linspace(-4, 4, 64, device=model.lm_head.weight.device).view(16, 4).T * softcap
+    targets = torch.tensor([3, 12, 7, 0], device=z.device)
+    expected = softcap * torch.tanh(z / softcap)
+    head = (model.lm_head, model.fused_head_loss)
+    model.lm_head, model.fused_head_loss = nn.Identity(), False
+    try:
+        with torch.no_grad():
+            logits = model.logits(z).float()
+            loss = model.head_loss(z, targets).float()
+    # a head that needs more of lm_head than its product computes something else
+    except Exception:
+        return False
+    finally:
+        model.lm_head, model.fused_head_loss = head
+    same_loss = torch.allclose(loss, F.cross_entropy(expected, targets), rtol=1e-4)
+    return same_loss and torch.allclose(logits, expected, rtol=1e-3, atol=1e-3)
+
+def check_fused_head(model, option, log):
+    """--fused_head_loss on a model whose head the kernel does not compute (a fork's): true is
+    refused; auto falls back to the plain head, saying so."""
+    if not model.fused_head_loss or head_matches_kernel(model):
+        return
+    reason = ("GPT.logits or GPT.head_loss is not the kernel's softcap tanh(z / softcap) and "
+              f"cross-entropy with a numeric GPT.softcap up to {KERNEL_SOFTCAP_LIMIT}")
+    if option == "true":
+        raise UserError(f"--fused_head_loss true: {reason}: pass --fused_head_loss false")
+    model.fused_head_loss = False
+    log(f"fused head loss off: {reason}; the plain head computes it")
+
 # --------------------------------------------------------------------------------------------------
 # Option checks
 
+def option_facts():
+    """Each option's facts, from its field (option()): {name: dict(rules=, fixed=, graph=)}."""
+    for f in fields(Hyperparameters):
+        if "rules" not in f.metadata:
+            raise UserError(f"the option {f.name} has no facts: declare its field with "
+                            "option(DEFAULT, RULES..., fixed=..., graph=...)")
+    return {f.name: f.metadata for f in fields(Hyperparameters)}
+
 def check_hyperparameters(args):
-    """Refuse any value that cannot work, naming the option and its valid range."""
-    micro_batch = args.max_device_batch_size
-    heads = args.num_heads
-    # (options, test of a value, valid range), in order: a test may rely on the options checked
-    # above it
-    rules = [
-        ("train_files val_files", lambda v: v != "", "a glob of token shards or 'synthetic'"),
-        ("batch_size", lambda v: v > 0 and v % BLOCK_SIZE == 0,
-         f"a positive multiple of {BLOCK_SIZE}"),
-        # whole blocks, within Rotary's table
-        ("max_device_batch_size", lambda v: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
-         f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"),
-        ("val_tokens", lambda v: v > 0 and v % micro_batch == 0,
-         f"a positive multiple of --max_device_batch_size ({micro_batch})"),
-        ("num_iterations num_heads", lambda v: v >= 1, "at least 1"),
-        ("val_loss_every checkpoint_every head_chunk_rows attention_free_layer "
-         "muon_momentum_warmup_steps", lambda v: v >= 0, "at least 0"),
-        ("cooldown_frac", lambda v: 0 <= v <= 1,
-         "from 0 (no decay) to 1 (decay from the first step)"),
-        # the window, interpolated between these two, must hold at least one whole block at every step
-        ("window_start window_end", lambda v: v >= BLOCK_SIZE,
-         f"at least {BLOCK_SIZE} tokens (one attention block)"),
-        ("vocab_size", lambda v: v > EOT,
-         f"at least {EOT + 1}: GPT-2 token ids go up to {EOT} (end of text)"),
-        ("num_layers", lambda v: v >= 6 and v % 2 == 0,
-         "even, at least 6 (U-net halves, 3+3 value-embedded layers)"),
-        ("model_dim", lambda v: v > 0 and v % (4 * heads) == 0,
-         f"a positive multiple of 4 x --num_heads ({4 * heads}): heads of a size divisible by 4 "
-         "(rotary)"),
-        ("embed_lr head_lr scalar_lr muon_lr", lambda v: 0 <= v < math.inf,
-         "finite and at least 0 (0 freezes)"),
-        # 1 would never let a gradient into the running averages
-        ("adam_beta1 adam_beta2 muon_momentum_start muon_momentum", lambda v: 0 <= v < 1,
-         "at least 0 and below 1"),
-        # Adam divides by sqrt(v) + eps
-        ("adam_eps", lambda v: 0 < v < math.inf, "finite and above 0"),
-        ("log_dir", lambda v: v != "" and not os.path.isfile(v),
-         "a folder name (not empty, not an existing file)"),
-        ("compile fused_head_loss", lambda v: v in ("auto", "true", "false"),
-         "auto (on with CUDA), true or false"),
-        ("fused_head_loss", lambda v: v != "true" or triton is not None,
-         "auto or false: triton, which its kernel needs, is not installed "
-         "(`pip install -r requirements.txt` installs it, on Linux only)"),
-        ("compile_cache", lambda v: not os.path.isdir(v), "a file name or '' (off), not a folder"),
-        # it is replaced after step 1: a file that is not one of the trainer's caches never is
-        ("compile_cache", lambda v: not os.path.exists(v) or is_compile_cache(v),
-         "a new file or a compile cache this trainer wrote (this file is not a compile cache and "
-         "would be overwritten: pick another name)"),
-        ("hellaswag_data tokenizer", lambda v: v == "" or os.path.isfile(v),
-         "an existing file, or '' (downloaded once)"),
-        ("seed", lambda v: 0 <= v < 2 ** 64, "from 0 to 2**64 - 1 (torch.manual_seed's range)"),
-    ]
-    for names, valid, allowed in rules:
-        for name in names.split():
-            if not valid(getattr(args, name)):
-                raise UserError(f"--{name} must be {allowed}; got {getattr(args, name)!r}")
+    """Refuse any value that cannot work, naming the option and its valid range: each field's rules
+    in field order, then those that read other options (words that are a function of them)."""
+    checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
+    checks.sort(key=lambda check: callable(check[1][1]))
+    for name, (valid, allowed) in checks:
+        value = getattr(args, name)
+        if valid(value, args):
+            continue
+        if callable(allowed):
+            allowed = allowed(args)
+        raise UserError(f"--{name} must be {allowed}; got {value!r}")
 
 def switched_on(option, device):
     """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
     if option == "auto":
         return device.type == "cuda"
     return option == "true"
-
-def micro_batch_plan(args, world_size):
-    """The micro-batch size, micro-batches per step and the val batch, with the checks that need the
-    process count."""
-    share = args.batch_size // world_size
-    val_batch = world_size * args.max_device_batch_size
-    micro_batch = min(args.max_device_batch_size, share)
-    if args.batch_size % world_size:
-        counts = [str(n) for n in range(1, 9) if args.batch_size % (n * BLOCK_SIZE) == 0]
-        other_batch = "" if args.resume else ", or a --batch_size divisible by the process count"
-        raise UserError(f"the global batch of {args.batch_size} tokens does not divide among "
-                        f"{world_size} processes; use {', '.join(counts)} processes{other_batch}")
-    if share % micro_batch or micro_batch % BLOCK_SIZE:
-        raise UserError(f"each process's {share} tokens must split into equal micro-batches, "
-                        f"multiples of {BLOCK_SIZE} of at most --max_device_batch_size "
-                        f"{args.max_device_batch_size}")
-    if args.val_tokens % val_batch:
-        raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x "
-                        f"--max_device_batch_size = {val_batch}")
-    return micro_batch, share // micro_batch, val_batch
 
 # --------------------------------------------------------------------------------------------------
 # Device set-up
@@ -1195,6 +1251,31 @@ def checkpoint_on_data_fault(args, log, step, model, adam, muon, train_loader, c
             if saved:
                 raise UserError(f"{fault}, then: {resume_command(saved, world_size)}") from None
         raise
+
+# a shard: a header of 256 little-endian int32 (magic, version, token count), then uint16 tokens
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_BYTES = 256 * 4
+REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
+
+def read_shard_header(path):
+    """Check a shard's header against its size, without reading the tokens; returns their count."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    if len(header) < 256:
+        raise UserError(f"{path}: truncated shard ({size} bytes, under the 1024-byte header); "
+                        f"{REFETCH_HINT}")
+    if header[0] != SHARD_MAGIC:
+        raise UserError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
+    if header[1] != SHARD_VERSION:
+        raise UserError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+    num_tokens = int(header[2])
+    expected = HEADER_BYTES + 2 * num_tokens
+    if size != expected:
+        raise UserError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file "
+                        f"has {size} bytes (truncated or corrupt); {REFETCH_HINT}")
+    return num_tokens
 
 def write_data_shard(path, tokens):
     tokens = np.asarray(tokens)
@@ -1539,9 +1620,6 @@ class RunLog(contextlib.AbstractContextManager):
 # --------------------------------------------------------------------------------------------------
 # Train time and the step lines
 
-# the first steps compile and warm up: train time starts after them, as in the record
-UNTIMED_STEPS = 10
-
 class TrainClock:
     """Train time, as the record measures it: paused (waiting for the device) around validation and
     checkpoints, restarted at the first timed step; a resumed run goes on from its checkpoint's."""
@@ -1628,32 +1706,7 @@ def exit_code(log, stopping, stop_signal):
     return 0
 
 # --------------------------------------------------------------------------------------------------
-# The model's set-up and the compile cache
-
-def build_model(args, device, world_size, compiled):
-    """The model, its optimisers, and the module that trains (compiled, in DDP, or the model
-    itself)."""
-    torch.manual_seed(args.seed)
-    model = GPT.from_args(args, device).to(device)
-    adam, muon = build_optimizers(model, args, compiled=compiled)
-    train_model = model
-    if compiled:
-        # not in record 18: on an H100, a first compile of 514 s instead of 120 s, for 0.5% faster
-        # steps
-        if args.compile_tuning:
-            from torch._inductor import config as inductor_config
-            inductor_config.coordinate_descent_tuning = True
-        if args.regional_compile:
-            train_model = compile_regions(model)
-        else:
-            train_model = torch.compile(model, dynamic=False)
-    if world_size > 1:
-        device_ids = None
-        if device.type == "cuda":
-            device_ids = [device.index]
-        train_model = DDP(train_model, device_ids=device_ids, broadcast_buffers=False,
-                          gradient_as_bucket_view=True)
-    return model, train_model, adam, muon
+# Compile options (build_model's regional compile) and the compile cache
 
 # graphs of one function that dynamo keeps with --regional_compile: 4 times the 8 it traces
 REGIONAL_RECOMPILE_LIMIT = 32
@@ -1674,28 +1727,21 @@ def compile_regions(model):
 
 # the start of every compile cache's first line: "<header><stamp> sha256=<hex digest>"
 COMPILE_CACHE_HEADER = "train_gpt compile cache: "
-# the options that shape the compiled graphs: the model's, the head's, how it compiles, and the
-# evaluation's micro-batch (a process's share of --max_device_batch_size x processes)
-GRAPH_OPTIONS = [
-    "vocab_size", "num_layers", "num_heads", "model_dim", "attention_free_layer", "bf16_embeds",
-    "fused_head_loss", "head_chunk_rows", "regional_compile", "compile_tuning",
-    "max_device_batch_size",
-]
 
 def compile_cache_stamp(args, world_size, device):
     """What compiled code depends on: a cache file with another stamp is not used. Beyond the
     versions and the device: the process count (DDP splits the graph at its buckets on 2 or more;
-    Muon stacks each process's share of the matrices), the training micro-batch, GRAPH_OPTIONS."""
+    Muon stacks each process's share of the matrices), the training micro-batch, and the options
+    that shape the graphs (the graph fact of option()), in their places."""
     installed = importlib.metadata.distributions(name="triton")
     triton_version = next((d.version for d in installed), None)
-    gpu = "cpu"
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device)
-    processes = f"{world_size} processes"
-    if world_size == 1:
-        processes = "1 process"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    processes = "1 process" if world_size == 1 else f"{world_size} processes"
     micro_batch, _, _ = micro_batch_plan(args, world_size)
-    options = ", ".join(f"--{name} {getattr(args, name)}" for name in GRAPH_OPTIONS)
+    facts = option_facts()
+    graph_options = sorted((name for name in facts if facts[name]["graph"]),
+                           key=lambda name: facts[name]["graph"])
+    options = ", ".join(f"--{name} {getattr(args, name)}" for name in graph_options)
     return (f"{COMPILE_CACHE_HEADER}torch {torch.__version__}, triton {triton_version}, {gpu}, "
             f"{processes}, micro-batch {micro_batch}, {options}")
 
@@ -1787,11 +1833,6 @@ STOP_CHECK_EVERY = 5
 # the stop flag, above every signal number, when rank 0 cannot write its log
 LOG_WRITE_FAILED = 256
 SOURCE_SHA256 = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-# a resumed run cannot change these: the model, the data position and the schedules depend on them
-FIXED_OPTIONS = [
-    "vocab_size", "num_layers", "num_heads", "model_dim", "attention_free_layer", "bf16_embeds",
-    "batch_size", "num_iterations",
-]
 
 def stop_if_diverged(val_loss, step):
     # every rank sees the same reduced loss, so all stop here
@@ -1917,7 +1958,9 @@ def load_checkpoint(argv, path):
     args = parse_args(argv, resumed=saved)
     options = asdict(args)
     changed = [name for name in options if options[name] != saved.get(name) and name != "resume"]
-    refused = [f"--{n} {saved.get(n)} -> {getattr(args, n)}" for n in changed if n in FIXED_OPTIONS]
+    # the fixed options (option()): the model, the data position and the schedules depend on them
+    fixed = [name for name, facts in option_facts().items() if facts["fixed"]]
+    refused = [f"--{n} {saved.get(n)} -> {getattr(args, n)}" for n in changed if n in fixed]
     shards = train_shards(args)
     if shards != saved_shards:
         refused.append(f"train shards (name:tokens) {saved_shards[:3]} -> {shards[:3]}")

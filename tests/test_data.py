@@ -105,6 +105,7 @@ def run_main(capsys, *argv):
     return err
 
 
+@pytest.mark.record18
 def test_missing_data_asks_for_as_many_shards_as_the_run_reads(tmp_path, capsys):
     missing = ["--train_files", str(tmp_path / "none_*.bin"), "--log_dir", str(tmp_path / "logs")]
     err = run_main(capsys, "--preset", "smoke", *missing)
@@ -249,6 +250,7 @@ def test_more_processes_than_gpus_is_refused(capsys, monkeypatch, markov_shards)
     assert "8 processes" in err and "--nproc_per_node=2" in err
 
 
+@pytest.mark.record18
 def test_every_hyperparameter_is_a_command_line_option(capsys):
     args = train_gpt.parse_args(["--num_iterations", "20", "--bf16_embeds", "false", "--cooldown_frac", "0.5"])
     assert (args.num_iterations, args.bf16_embeds, args.cooldown_frac) == (20, False, 0.5)

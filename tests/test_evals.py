@@ -265,6 +265,7 @@ def test_a_bad_checkpoint_is_one_error_line(checkpoint, tmp_path, capsys, own_to
         assert name in error_line(capsys)
 
 
+@pytest.mark.record18
 def test_sampling_past_the_trained_window_is_refused(checkpoint, capsys, own_tokenizer):
     # 1,791 tokens of "xx": with 50256, the whole window of the default options
     prompt = "x" * 2 * 1791

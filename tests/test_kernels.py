@@ -55,6 +55,7 @@ def small_row_blocks(monkeypatch):
     monkeypatch.setitem(train_gpt.HEAD_LAUNCH_CPU, "ROWS", 16)
 
 
+@pytest.mark.record18
 @pytest.mark.parametrize("logit_scale", [3.0, 1000.0])  # typical logits, and |z| ~ 1000 where tanh saturates
 @needs_triton
 def test_kernel_writes_the_loss_gradient_over_the_logits(small_row_blocks, logit_scale):
@@ -70,6 +71,7 @@ def test_kernel_writes_the_loss_gradient_over_the_logits(small_row_blocks, logit
     assert ((logits.double() - ref_grad).abs() <= error_bound).all()
 
 
+@pytest.mark.record18
 @pytest.mark.parametrize("logit_scale", [3.0, 1000.0])
 @needs_triton
 def test_fused_head_loss_and_gradients_match_the_plain_head_in_float64(small_row_blocks, logit_scale):
@@ -93,6 +95,7 @@ def test_upstream_gradient_scales_the_head_gradients_exactly(small_row_blocks):
         assert torch.equal(grad_of_eighth * 8, grad)  # powers of two scale exactly
 
 
+@pytest.mark.record18
 @needs_triton
 def test_without_grad_the_kernel_computes_the_loss_only_and_leaves_the_logits(small_row_blocks):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=3.0, seed=3)
@@ -121,6 +124,7 @@ def recorded_kernel_rows(monkeypatch):
 
 
 # 37 rows in chunks of 16: 16, 16 and 5; a small vocabulary keeps the interpreter fast
+@pytest.mark.record18
 @needs_triton
 def test_chunked_head_loss_and_gradients_match_float64_and_the_unchunked_head(small_row_blocks, monkeypatch):
     x, weight, targets = head_inputs(rows=37, dim=16, vocab=777, logit_scale=3.0, seed=5)

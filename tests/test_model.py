@@ -8,6 +8,7 @@ import train_gpt
 from train_gpt import GPT, Hyperparameters
 
 
+@pytest.mark.record18
 def test_default_model_has_the_records_parameter_count():
     args = Hyperparameters()
     with torch.device("meta"):
@@ -19,6 +20,7 @@ def test_default_model_has_the_records_parameter_count():
     assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
 
 
+@pytest.mark.record18
 def test_block_seven_has_no_attention_and_value_embeddings_follow_012_pattern():
     with torch.device("meta"):
         model = GPT(50304, 12, 6, 768)
@@ -30,6 +32,7 @@ def test_block_seven_has_no_attention_and_value_embeddings_follow_012_pattern():
     assert small.value_embed_pattern == [0, 1, 2, 0, 1, 2]
 
 
+@pytest.mark.record18
 def test_step_zero_loss_is_log_vocab_because_the_head_starts_at_zero():
     torch.manual_seed(0)
     model = GPT(50304, 8, 2, 64)

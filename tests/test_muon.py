@@ -50,6 +50,7 @@ def relative_error(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.record18
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128)], ids=["wide", "tall", "square"])
 def test_newton_schulz_matches_float64_iteration(shape):
     torch.manual_seed(0)
@@ -61,6 +62,7 @@ def test_newton_schulz_matches_float64_iteration(shape):
     assert relative_error(out, newton_schulz_bf16(G, 5)) < 1e-3  # the same bf16 operations
 
 
+@pytest.mark.record18
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64)], ids=["wide", "tall"])
 def test_newton_schulz_roughly_orthogonalises(shape):
     torch.manual_seed(1)
@@ -73,6 +75,7 @@ def test_newton_schulz_roughly_orthogonalises(shape):
     assert cosine > 0.8
 
 
+@pytest.mark.record18
 def test_newton_schulz_ignores_the_scale_of_its_input():
     torch.manual_seed(2)
     G = torch.randn(96, 160)
@@ -93,6 +96,7 @@ def aspect_scale(p):
     return max(1, p.shape[0] / p.shape[1]) ** 0.5
 
 
+@pytest.mark.record18
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_batched_step_gives_each_matrix_its_own_iteration(compiled):
     """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled alone."""
@@ -121,6 +125,7 @@ def muon_float64(params, grads_per_step, schedule, nesterov):
     return params
 
 
+@pytest.mark.record18
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_muon_step_matches_float64(compiled, nesterov):
@@ -190,6 +195,7 @@ def muon_reference(shapes, steps):
     return params
 
 
+@pytest.mark.record18
 def test_muon_one_process_matches_plain_muon(one_process):
     for a, ref in zip(one_process, muon_reference(SHAPES, STEPS)):
         torch.testing.assert_close(a, ref, rtol=0, atol=2e-3)

@@ -7,6 +7,7 @@ import train_gpt
 from train_gpt import GPT, Muon, build_optimizers, lr_multiplier, muon_momentum, parse_args
 
 
+@pytest.mark.record18
 def test_optimizer_defaults_are_record_18s():
     args = parse_args([])
     model = GPT(512, 6, 2, 64)
@@ -27,6 +28,7 @@ def test_optimizer_defaults_are_record_18s():
     assert sorted(owned) == sorted(id(p) for p in model.parameters())
 
 
+@pytest.mark.record18
 def test_schedules_are_record_18s():
     args = parse_args([])
     assert args.num_iterations == 1390 and args.cooldown_frac == 0.4
@@ -72,6 +74,7 @@ def test_compiled_newton_schulz_compiles_once_per_stacked_shape_and_computes_the
 
 @pytest.mark.parametrize("world_size, stacked", [(1, [(24, 768, 3072), (44, 768, 768)]),
                                                  (8, [(3, 768, 3072), (6, 768, 768)])])
+@pytest.mark.record18
 def test_default_model_stacks_muon_matrices_in_two_batches(monkeypatch, world_size, stacked):
     """The 68 matrices (q, k, v, proj of 11 attention blocks; fc and proj of 12 MLPs): two graphs per rank."""
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
