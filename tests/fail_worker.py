@@ -6,12 +6,10 @@ Run by tests/test_launch.py, through run.sh: `... fail_worker.py FAIL_AT TRAINER
 """
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train_gpt  # noqa: E402
+import train_gpt
 
 FAIL_AT = int(sys.argv.pop(1))
 muon_step = train_gpt.Muon.step

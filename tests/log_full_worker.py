@@ -5,10 +5,8 @@ Run by tests/test_disk.py: `torchrun ... log_full_worker.py FULL_AT TRAINER_OPTI
 """
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train_gpt  # noqa: E402
+import train_gpt
 
 FULL_AT = int(sys.argv.pop(1))
 agreed = train_gpt.CleanStop.agreed

@@ -5,13 +5,11 @@ the test runs train() in its own process for the single-process result.
 """
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train_gpt import Muon  # noqa: E402
+from train_gpt import Muon
 
 # stacked as 5 of (32, 48), tall ones transposed: shares 3+2 on 2 ranks, 2+2+1 on 3; one (16, 48) and
 # two (24, 24): fewer matrices than ranks, so some ranks send only padding

@@ -8,10 +8,8 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train_gpt  # noqa: E402
+import train_gpt
 
 STOP_AT = int(sys.argv.pop(1))
 agreed = train_gpt.CleanStop.agreed

@@ -2,12 +2,13 @@
 write is never replaced."""
 import dataclasses
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import BACKGROUND, REPO, launch_env
+from helpers import BACKGROUND
+from helpers import run_process
+from helpers import worker_env
 
 import train_gpt
 
@@ -16,7 +17,6 @@ STAMP = "train_gpt compile cache: torch test"
 # compile one small function with this process's (empty) local caches, around the trainer's load and save
 COMPILE = f"""
 import sys, torch
-sys.path.insert(0, {str(REPO)!r})
 import train_gpt
 print(train_gpt.load_compile_cache(sys.argv[1], {STAMP!r}))
 f = torch.compile(lambda x: x @ x.T)  # a graph of one library call: no C++ kernel to build, so it is quick
@@ -28,10 +28,9 @@ print(train_gpt.save_compile_cache(sys.argv[1], {STAMP!r}))
 
 
 def compile_in_fresh_process(cache, tmp_path, name):
-    env = launch_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"{name}_inductor"),
+    env = worker_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"{name}_inductor"),
                      TRITON_CACHE_DIR=str(tmp_path / f"{name}_triton"))
-    result = subprocess.run([sys.executable, "-c", COMPILE, str(cache)], capture_output=True, text=True,
-                            env=env, timeout=300)
+    result = run_process([sys.executable, "-c", COMPILE, str(cache)], 300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.splitlines()[-3:]
 
@@ -48,6 +47,7 @@ def compile_twice_in_background(request):
     return BACKGROUND.once("compile_twice", lambda: compile_twice(tmp.mktemp("compile_cache")))
 
 
+@pytest.mark.slow
 @pytest.mark.background.with_args(compile_twice_in_background)
 def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(request):
     (loaded, counts, saved), temp_files, second = compile_twice_in_background(request).result()

@@ -10,10 +10,14 @@ import uuid
 
 import pytest
 import torch
+from helpers import BACKGROUND
+from helpers import REPO
+from helpers import finished_log
+from helpers import run_process
+from helpers import tiny
+from helpers import worker_env
 
 import train_gpt
-from conftest import BACKGROUND, REPO, finished_log, launch_env
-from test_resume import tiny
 
 HOST = socket.gethostname()
 
@@ -66,6 +70,7 @@ def run_among_user_files(markov_shards, tmp_path_factory):
     return log_dir, run_folder, dict(user=user, stale=stale, kept=kept)
 
 
+@pytest.mark.slow
 def test_checkpoint_rotation_deletes_only_the_checkpoints_this_run_wrote(run_among_user_files):
     _, run_folder, planted = run_among_user_files
     for path in planted["user"]:
@@ -74,6 +79,7 @@ def test_checkpoint_rotation_deletes_only_the_checkpoints_this_run_wrote(run_amo
     assert {p.name for p in run_folder.iterdir()} == ours | {p.name for p in planted["user"]}
 
 
+@pytest.mark.slow
 def test_stale_temp_files_are_removed_only_when_the_trainer_wrote_them_and_their_process_is_gone(
         run_among_user_files):
     log_dir, _, planted = run_among_user_files
@@ -115,6 +121,7 @@ def at_step(monkeypatch, actions):
     monkeypatch.setattr(train_gpt.CleanStop, "agreed", with_action)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_on(
         small_filesystem, markov_shards, capsys, monkeypatch):
     """The disk fills before step 3's checkpoint; SIGTERM at step 4, whose checkpoint fails too: the stop line
@@ -152,6 +159,7 @@ def log_fd(log_dir):
     raise AssertionError(f"no log open in {log_dir}")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
 def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoint(
         markov_shards, tmp_path, capsys, monkeypatch):
@@ -190,8 +198,7 @@ def run_with_a_failing_log(tmp_path_factory, markov_shards):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO / "tests" / "log_full_worker.py"), "2",
            *tiny(markov_shards, log_dir, "--val_loss_every", "0", "--checkpoint_every", "2")]
-    return log_dir, subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                                   env=launch_env(OMP_NUM_THREADS="1"))
+    return log_dir, run_process(cmd, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
 
 
 def log_full_on_two_processes(request):
@@ -199,6 +206,7 @@ def log_full_on_two_processes(request):
     return BACKGROUND.once("log_full", run_with_a_failing_log, factory, shards)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
 @pytest.mark.background.with_args(log_full_on_two_processes)
 def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(request):

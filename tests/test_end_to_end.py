@@ -1,43 +1,21 @@
 """Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and learning."""
 import hashlib
-import re
 
 import numpy as np
+import pytest
+from helpers import LN_VOCAB
+from helpers import SOURCE
+from helpers import STARTUP_LINE
+from helpers import TRAIN_LINE
+from helpers import smoke_marked
+from helpers import step_lines
+from helpers import unigram_entropy
+from helpers import val_losses
 
-from conftest import LN_VOCAB, REPO, smoke_marked, unigram_entropy
-
-SOURCE = (REPO / "train_gpt.py").read_text()
-VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
-TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:(\d+\.\d{4}) train_time:(\d+)ms "
-                        r"step_avg:(nan|\d+\.\d{2})ms$")
-STARTUP_LINE = re.compile(r"^startup: (\d+\.\d)s from launch to the end of step \d+")  # the one line besides steps
-# and lines of options and tools: profile_run.py's report, checkpoints, a resumed run's notes, a stopped run's last
-# line, HellaSwag's scores
-OPTION_LINES = ("profile: ", "checkpoint: ", "resumed from ", "warning: resumed ", "stopped by ",
-                "hellaswag: ")
-
-
-def step_lines(log_path):
-    """The lines after the header; each must be a val line, a train line or the closing memory line."""
-    text = log_path.read_text()
-    assert text.startswith(SOURCE), "the log must begin with the exact source of train_gpt.py"
-    rest = text[len(SOURCE):].splitlines()
-    assert rest[1] == "=" * 100
-    body = rest[rest.index("=" * 100, rest.index("hyperparameters:")) + 1:]
-    body = [line for line in body if not line.startswith(OPTION_LINES)]
-    assert re.fullmatch(r"peak memory consumption: \d+ MiB", body[-1])
-    return body[:-1], rest
-
-
-def val_losses(log_path):
-    lines, _ = step_lines(log_path)
-    losses = {}
-    for line in lines:
-        if m := VAL_LINE.match(line):
-            losses[int(m[1])] = float(m[3])
-        elif not STARTUP_LINE.match(line):
-            assert TRAIN_LINE.match(line), f"line does not parse: {line!r}"
-    return losses
+# test_profile.py reads logs with this file's val_losses
+__all__ = ["val_losses"]
+# real runs of the trainer, every test
+pytestmark = pytest.mark.slow
 
 
 @smoke_marked(("short", 1))

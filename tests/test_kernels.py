@@ -5,12 +5,13 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import smoke_marked
-from test_end_to_end import val_losses
+from helpers import smoke_marked
+from helpers import val_losses
 
 import train_gpt
-from train_gpt import GPT, fused_head_loss, softcapped_cross_entropy_
-
+from train_gpt import GPT
+from train_gpt import fused_head_loss
+from train_gpt import softcapped_cross_entropy_
 
 # the head-loss kernel is Triton's (through its interpreter on CPU); Linux only, as Triton's wheels are
 needs_triton = pytest.mark.skipif(train_gpt.triton is None, reason="triton is not installed (Linux only): the "
@@ -84,6 +85,7 @@ def test_fused_head_loss_and_gradients_match_the_plain_head_in_float64(small_row
     assert relative_error(grad_w, 2.5 * ref_grad_w) < 1e-2
 
 
+@pytest.mark.slow
 @needs_triton
 def test_upstream_gradient_scales_the_head_gradients_exactly(small_row_blocks):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=3.0, seed=2)
@@ -93,6 +95,7 @@ def test_upstream_gradient_scales_the_head_gradients_exactly(small_row_blocks):
         assert torch.equal(grad_of_eighth * 8, grad)  # powers of two scale exactly
 
 
+@pytest.mark.slow
 @needs_triton
 def test_without_grad_the_kernel_computes_the_loss_only_and_leaves_the_logits(small_row_blocks):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=3.0, seed=3)
@@ -180,6 +183,7 @@ def test_head_chunk_rows_reaches_the_models_fused_head_from_the_command_line(mon
     assert rows == [64, 36] and x.grad is not None and model.lm_head.weight.grad is not None
 
 
+@pytest.mark.slow
 @needs_triton
 def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monkeypatch):
     # the model is compiled on CUDA: fused_head_loss is a graph break there, the graphs around it must still connect
@@ -205,6 +209,7 @@ def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monk
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @needs_triton
 @smoke_marked(("head", False), ("head", True))
 def test_smoke_run_with_the_fused_head_loss_has_the_plain_runs_val_losses(smoke_runs):
@@ -233,6 +238,7 @@ def plain_model_in_float64_and_bf16():  # shared by the options' tests
     return small_model_loss_and_grads(float64=True), small_model_loss_and_grads()
 
 
+@pytest.mark.slow
 @needs_triton
 def test_model_with_the_fused_head_is_as_close_to_float64_as_the_plain_model(monkeypatch):
     option = "fused_head_loss"

@@ -1,7 +1,6 @@
 """How a run is launched, and how it ends beyond one process: torchrun's variables left in a shell, run.sh
 (with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`, on PATH), a rank that fails among
 several, the command printed to resume, a console that goes away, and nvidia-smi in the log."""
-import contextlib
 import os
 import shlex
 import shutil
@@ -14,9 +13,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import BACKGROUND, REPO, finished_log, launch_env
-from test_resume import tiny
-from test_start_up import TINY_RUN
+from helpers import BACKGROUND
+from helpers import REPO
+from helpers import TINY_RUN
+from helpers import finished_log
+from helpers import launch_env
+from helpers import run_process
+from helpers import started
+from helpers import tiny
+from helpers import worker_env
 
 import train_gpt
 
@@ -47,18 +52,35 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for_the_second(tmp_path):
-    env = launch_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+def world_of_two_without_torchrun(request):
+    """On the background queue: rank 0 of 2 started by hand, without torchrun; gives its wall time
+    and the finished process."""
+    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("world_of_two")
+    env = launch_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port()))
     env.pop("TORCHELASTIC_RUN_ID", None)
-    started = time.monotonic()
-    # options that suit two processes: without the check, rank 0 would wait gloo's 30 minutes for rank 1
-    two_processes = ["--preset", "smoke", "--batch_size", "256", "--max_device_batch_size", "128", "--val_tokens",
-                     "256", "--log_dir", str(tmp_path)]
-    result = subprocess.run([sys.executable, "train_gpt.py", *two_processes], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
+    # options that suit two processes: without the check, rank 0 would wait gloo's 30 minutes for
+    # rank 1
+    two_processes = ["--preset", "smoke", "--batch_size", "256", "--max_device_batch_size", "128",
+                     "--val_tokens", "256", "--log_dir", str(tmp_path)]
+    command = [sys.executable, str(REPO / "train_gpt.py"), *two_processes]
+
+    def run():
+        started_at = time.monotonic()
+        result = run_process(command, 120, cwd=REPO, env=env)
+        return time.monotonic() - started_at, env["MASTER_PORT"], result
+    return BACKGROUND.once("world_of_two_without_torchrun", run)
+
+
+@pytest.mark.slow
+@pytest.mark.background.with_args(world_of_two_without_torchrun)
+def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for_the_second(
+        request):
+    seconds, port, result = world_of_two_without_torchrun(request).result()
+    assert seconds < 60
     assert time.monotonic() - started < 60
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
-    settings = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={env['MASTER_PORT']}"
+    settings = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
     assert result.stderr.startswith(f"error: {settings} set in the environment")
 
 
@@ -160,6 +182,7 @@ def run_sh_env(bin_folder, gpus, **extra):
     ("import sys; sys.exit(9)", None, "run.sh"),  # nvidia-smi does not answer: no GPU
     (NVIDIA_SMI, "", "run.sh"),  # CUDA_VISIBLE_DEVICES="": the GPUs are hidden on purpose
 ], ids=["gpus_listed", "no_answer", "gpus_hidden"])
+@pytest.mark.slow
 def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visible, says, tmp_path):
     stand_in(tmp_path / "bin", "nvidia-smi", nvidia_smi)
     # torch sees no GPU
@@ -167,8 +190,8 @@ def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visib
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-    result = subprocess.run(["bash", str(REPO / "run.sh"), "--log_dir", str(tmp_path / "logs")], env=env,
-                            capture_output=True, text=True, timeout=120)
+    command = ["bash", str(REPO / "run.sh"), "--log_dir", str(tmp_path / "logs")]
+    result = run_process(command, 120, env=env)
     lines = result.stderr.splitlines()
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     if says == "trainer":
@@ -189,14 +212,14 @@ def failing_rank_under_run_sh(request):
 
     def run():
         worker = f"{shlex.quote(str(REPO / 'tests' / 'fail_worker.py'))} 1"
-        env = run_sh_env(tmp / "bin", 2, RUN_SH_SCRIPT=worker)
+        env = run_sh_env(tmp / "bin", 2, RUN_SH_SCRIPT=worker, PYTHONPATH=worker_env()["PYTHONPATH"])
         options = tiny(shards, tmp / "logs", "--val_loss_every", "0")
-        result = subprocess.run(["bash", str(REPO / "run.sh"), *options], env=env,
-                                capture_output=True, text=True, timeout=300)
+        result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
         return tmp / "logs", result
     return BACKGROUND.once("failing_rank_under_run_sh", run)
 
 
+@pytest.mark.slow
 @needs_no_gpu
 @pytest.mark.background.with_args(failing_rank_under_run_sh)
 def test_under_run_sh_a_failing_rank_leaves_its_error_last_on_screen_and_in_rank_zeros_log(request):
@@ -212,7 +235,8 @@ def test_under_run_sh_a_failing_rank_leaves_its_error_last_on_screen_and_in_rank
     assert f"rank 1: {out_of_memory}" in finished_log(log_dir).read_text().splitlines()
 
 
-# a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports how it started
+# a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports how
+# it started, in a file of its own (rank.RANK, renamed into place once written)
 STOPPING_WORKER = """import os, signal, sys, time
 stops = []
 def on_signal(signum, frame):
@@ -220,7 +244,10 @@ def on_signal(signum, frame):
 hangups_ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
 for signum in [signal.SIGTERM] + [signal.SIGHUP] * (not hangups_ignored):
     signal.signal(signum, on_signal)
-print(os.environ["RANK"], hangups_ignored, os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), flush=True)
+report = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank." + os.environ["RANK"])
+with open(report + ".tmp", "w") as f:
+    print(os.environ["RANK"], hangups_ignored, os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), file=f)
+os.replace(report + ".tmp", report)
 while not stops:
     time.sleep(0.01)
 if os.environ["RANK"] == "0":
@@ -229,29 +256,44 @@ sys.exit(128 + stops[0])
 """
 
 
+def as_nohup_starts_it():
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def stopped_under_nohup(request):
+    """On the background queue: run.sh on two stand-in GPUs as nohup starts it, sent SIGHUP once both
+    workers have started, then SIGTERM. Gives each worker's report and run.sh's end."""
+    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("nohup")
+    worker = tmp_path / "worker.py"
+    worker.write_text(STOPPING_WORKER)
+    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(worker)))
+    reports = [tmp_path / "rank.0", tmp_path / "rank.1"]
+
+    def run():
+        # a session of its own: the signals reach run.sh alone, and whatever is left is killed at
+        # the end
+        with started(["bash", str(REPO / "run.sh")], env=env, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True, preexec_fn=as_nohup_starts_it) as proc:
+            deadline = time.monotonic() + 120
+            while not all(report.exists() for report in reports) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            started_as = [report.read_text().split() for report in reports if report.exists()]
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        return started_as, proc.returncode, err
+    return BACKGROUND.once("stopped_under_nohup", run)
+
+
 @needs_no_gpu
-def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(tmp_path):
-    (tmp_path / "worker.py").write_text(STOPPING_WORKER)
-    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(tmp_path / "worker.py")))
-
-    def as_nohup_starts_it():
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
-    # a session of its own: the signals reach run.sh alone, and whatever is left is killed at the end
-    proc = subprocess.Popen(["bash", str(REPO / "run.sh")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=as_nohup_starts_it, start_new_session=True)
-    try:
-        started = sorted(proc.stdout.readline().split() for _ in range(2))
-        # hang-ups stay ignored in the workers; a stop gives them 300 s (torch 2.12 and later read it)
-        assert started == [["0", "True", "300"], ["1", "True", "300"]]
-        proc.send_signal(signal.SIGHUP)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+@pytest.mark.slow
+@pytest.mark.background.with_args(stopped_under_nohup)
+def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(request):
+    started_as, returncode, err = stopped_under_nohup(request).result()
+    # hang-ups stay ignored in the workers; a stop gives them 300 s (torch 2.12 and later read it)
+    assert started_as == [["0", "True", "300"], ["1", "True", "300"]], err[-3000:]
+    assert returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.splitlines()[-1] == "stopped by SIGTERM" and "Traceback" not in err
 
 

@@ -6,9 +6,15 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.compile_fx import compile_fx_inner
+from torch._inductor.utils import fresh_inductor_cache
 from torch.nn.attention.flex_attention import flex_attention
 
-from train_gpt import BLOCK_SIZE, EOT, build_block_mask, build_dense_mask
+from train_gpt import BLOCK_SIZE
+from train_gpt import EOT
+from train_gpt import build_block_mask
+from train_gpt import build_dense_mask
 
 SEQ = 4 * BLOCK_SIZE
 WINDOWS = range(1, 15)  # 1 to 14 blocks, the trainer's schedule
@@ -23,18 +29,18 @@ def reference_mask(tokens, window_blocks):
         doc += t == EOT
         docs.append(doc)
     docs = torch.tensor(docs)
-    mask = torch.zeros(len(docs), len(docs), dtype=torch.bool)
-    for q in range(len(docs)):
-        k = torch.arange(q + 1)
-        mask[q, :q + 1] = (docs[k] == docs[q]) & (q // BLOCK_SIZE - k // BLOCK_SIZE < window_blocks)
-    return mask
+    q = torch.arange(len(docs))[:, None]
+    k = torch.arange(len(docs))[None, :]
+    return (k <= q) & (docs[k] == docs[q]) & (q // BLOCK_SIZE - k // BLOCK_SIZE < window_blocks)
 
 
-def layout(name, seed=0):
+def layout(name, seed=0, length=SEQ):
+    """SEQ (or `length`) tokens with documents laid out as `name` in the first SEQ tokens."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 50000, (SEQ,), generator=gen)
+    tokens = torch.randint(0, 50000, (length,), generator=gen)
     starts = {
-        "short_docs": torch.randint(0, SEQ, (20,), generator=gen).tolist(),  # many docs inside one block
+        # many docs inside one block
+        "short_docs": torch.randint(0, SEQ, (20,), generator=gen).tolist(),
         "spanning_docs": [0, 200, 450],  # documents across block boundaries
         "on_block_edges": [0, BLOCK_SIZE, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE + 5],
         "mid_document_start": [300],  # the sequence starts inside a document
@@ -45,28 +51,6 @@ def layout(name, seed=0):
 
 
 LAYOUTS = ["short_docs", "spanning_docs", "on_block_edges", "mid_document_start", "one_document"]
-
-
-@pytest.fixture(scope="module")
-def compiled_flex():
-    # eager flex_attention evaluates mask_mod on every pair and ignores the block lists (so the window
-    # would vanish); the compiled kernel honours them, as on the GPU
-    return torch.compile(flex_attention, dynamic=False)
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_block_mask_and_dense_mask_match_token_by_token_definition(name, compiled_flex):
-    tokens = layout(name)
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 2, SEQ, 32, generator=gen) for _ in range(3))
-    for window in (1, 2, 3, 4):
-        window_blocks = torch.tensor(window, dtype=torch.int32)
-        expected_mask = reference_mask(tokens, window)
-        dense = build_dense_mask(tokens, window_blocks)
-        assert torch.equal(dense, expected_mask), f"dense mask differs, window {window}"
-        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=expected_mask)
-        flex = compiled_flex(q, k, v, block_mask=build_block_mask(tokens, window_blocks))
-        torch.testing.assert_close(flex, expected, rtol=1e-5, atol=1e-5, msg=f"window {window}")
 
 
 def test_block_mask_lists_full_blocks_without_per_token_test():
@@ -88,25 +72,6 @@ def test_window_change_keeps_the_same_mask_shapes():
         for name in (f"{side}_num_blocks", f"{side}_indices"):
             assert getattr(narrow, name).shape == getattr(wide, name).shape, name
     assert narrow.kv_num_blocks.sum() + narrow.full_kv_num_blocks.sum() < wide.kv_num_blocks.sum() + wide.full_kv_num_blocks.sum()
-
-
-def test_growing_window_does_not_recompile_mask_and_attention():
-    # as on the GPU: the mask is built inside the compiled region from the window tensor
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    def attend(tokens, q, k, v, window_blocks):
-        return flex_attention(q, k, v, block_mask=build_block_mask(tokens, window_blocks))
-
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(attend, backend=counter, dynamic=False)
-    tokens = layout("short_docs", seed=3)
-    q, k, v = (torch.randn(1, 2, SEQ, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    window_blocks = torch.tensor(1, dtype=torch.int32)
-    for window in (1, 2, 3, 4):
-        window_blocks.fill_(window)
-        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=reference_mask(tokens, window))
-        torch.testing.assert_close(compiled(tokens, q, k, v, window_blocks), expected, rtol=1e-5, atol=1e-5)
-    assert counter.frame_count == 1
 
 
 # --- the block lists against block pairs derived from the token pairs, lengths 1,024 to 16,384 ---
@@ -195,7 +160,8 @@ def assert_lists_match(mask, pairs, window, context):
         assert torch.equal(got_full, expected_full.long()), f"{side}-side full blocks, {context}"
 
 
-@pytest.mark.parametrize("length", [1024, 2048, 3072, 4096, 8192, 16384])
+@pytest.mark.parametrize("length", [1024, 2048, 3072, 4096, *(pytest.param(length, marks=pytest.mark.slow)
+                                                               for length in (8192, 16384))])
 def test_block_lists_equal_the_token_level_blocks(length):
     for name in LONG_LAYOUTS:
         for seed in range(2 if length <= 4096 else 1):
@@ -218,41 +184,6 @@ def op_names(graph_module):
     return names
 
 
-def test_compiled_mask_holds_no_sort_and_equals_the_token_level_blocks():
-    # a sort in the compiled graph can take forever to compile (a known PyTorch problem): none may be
-    # in the traced graph nor in the graph Inductor lowers (after decompositions); one compile at 16,384 tokens
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._inductor.utils import fresh_inductor_cache
-
-    graphs = []
-
-    def lower(graph_module, example_inputs, *args, **kwargs):
-        graphs.append(graph_module)
-        return compile_fx_inner(graph_module, example_inputs, *args, **kwargs)
-
-    def inductor(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return compile_fx(graph_module, example_inputs, inner_compile=lower)
-
-    compiled = torch.compile(build_block_mask, backend=inductor, dynamic=False)
-    tokens = long_layout("mixed", 16384, seed=5).to(torch.int32)  # as the trainer feeds them
-    pairs = reference_block_pairs(tokens)
-    window_blocks = torch.tensor(1, dtype=torch.int32)
-    started = time.perf_counter()
-    with fresh_inductor_cache():  # a cached graph would not be lowered again
-        mask = compiled(tokens, window_blocks)
-    print(f"compiled the 16,384-token mask in {time.perf_counter() - started:.1f} s")
-    assert len(graphs) == 2  # one traced graph, lowered once
-    for graph in graphs:
-        assert "cumsum" in op_names(graph)  # the names are read
-        assert not op_names(graph) & SORTS, f"sort in the compiled mask: {op_names(graph) & SORTS}"
-    for window in (1, 7, 14):
-        window_blocks.fill_(window)
-        mask = compiled(tokens, window_blocks)
-        assert_lists_match(mask, pairs, window, f"compiled, window {window}")
-    assert len(graphs) == 2  # the window changed in place: no recompilation
-
-
 def test_the_documented_example_of_the_block_lists():
     # listed_rows' docstring: five blocks, a window of 3; document 2 starts inside block 3. Read the full
     # and partial blocks of each row off the token-level mask, then compare with the lists and the text.
@@ -270,3 +201,101 @@ def test_the_documented_example_of_the_block_lists():
         partial_count = int(mask.kv_num_blocks[0, 0, row])
         assert sorted(mask.full_kv_indices[0, 0, row, :full_count].tolist()) == full
         assert sorted(mask.kv_indices[0, 0, row, :partial_count].tolist()) == partial
+
+
+# --- mask and attention compiled once, as on the GPU, for every layout and window ---------------
+
+# 16 blocks: windows of 1 to 14 blocks all differ
+COMPILED_LENGTH = 16 * BLOCK_SIZE
+
+
+class RecordingInductor:
+    """Inductor as torch.compile's backend, counting the frames it compiles and keeping each graph it
+    is given: the one dynamo traced, and the one inductor lowers (after decompositions)."""
+
+    def __init__(self):
+        self.frames = 0
+        self.graphs = []
+
+    def __call__(self, graph_module, example_inputs):
+        self.frames += 1
+        self.graphs.append(graph_module)
+        return compile_fx(graph_module, example_inputs, inner_compile=self.lower)
+
+    def lower(self, graph_module, example_inputs, *args, **kwargs):
+        self.graphs.append(graph_module)
+        return compile_fx_inner(graph_module, example_inputs, *args, **kwargs)
+
+
+def attend(tokens, q, k, v, window_blocks):
+    """As the model attends on the GPU: the mask built inside the compiled region from the window
+    tensor. Eager flex_attention evaluates mask_mod on every pair and ignores the block lists (so
+    the window would vanish); the compiled kernel honours them."""
+    block_mask = build_block_mask(tokens, window_blocks)
+    return flex_attention(q, k, v, block_mask=block_mask), block_mask
+
+
+def random_qkv(length):
+    return [torch.randn(1, 2, length, 32, generator=torch.Generator().manual_seed(i))
+            for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def compiled_attention():
+    """attend() compiled once, with inductor's cache bypassed (a cached graph would not be lowered
+    again); every test below reuses it. Gives the compiled function and its backend."""
+    backend = RecordingInductor()
+    compiled = torch.compile(attend, backend=backend, dynamic=False)
+    # as the trainer feeds them
+    tokens = long_layout("mixed", COMPILED_LENGTH, seed=5).to(torch.int32)
+    started = time.perf_counter()
+    with fresh_inductor_cache():
+        compiled(tokens, *random_qkv(COMPILED_LENGTH), torch.tensor(1, dtype=torch.int32))
+    print(f"compiled mask and attention in {time.perf_counter() - started:.1f} s")
+    return compiled, backend
+
+
+@pytest.mark.slow
+def test_compiled_mask_and_attention_hold_no_sort(compiled_attention):
+    """A sort in the compiled graph can take forever to compile (a known PyTorch problem): none may
+    be in the traced graph nor in the graph inductor lowers."""
+    _, backend = compiled_attention
+    # one traced graph, lowered once
+    assert backend.frames == 1 and len(backend.graphs) == 2
+    for graph in backend.graphs:
+        # the names are read
+        assert "cumsum" in op_names(graph)
+        assert not op_names(graph) & SORTS, f"sort in the compiled mask: {op_names(graph) & SORTS}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,long", [(name, False) for name in LAYOUTS]
+                         + [(name, True) for name in LONG_LAYOUTS],
+                         ids=[*LAYOUTS, *(f"long_{name}" for name in LONG_LAYOUTS)])
+def test_compiled_mask_and_attention_match_the_token_by_token_definition_in_one_compile(
+        compiled_attention, name, long):
+    """For every window, compiled in place (no recompilation as the window grows, nor for another
+    layout): the block lists against the token-level blocks; for the short layouts' documents and
+    the long mixed ones, the dense CPU mask against the token-by-token mask and attention through
+    the block mask against dense attention, with windows of 1 to 4 blocks and 14."""
+    compiled, backend = compiled_attention
+    if long:
+        tokens = long_layout(name, COMPILED_LENGTH, seed=1)
+    else:
+        tokens = layout(name, length=COMPILED_LENGTH)
+    tokens = tokens.to(torch.int32)
+    q, k, v = random_qkv(COMPILED_LENGTH)
+    pairs = reference_block_pairs(tokens)
+    window_blocks = torch.tensor(1, dtype=torch.int32)
+    for window in WINDOWS:
+        window_blocks.fill_(window)
+        attention, mask = compiled(tokens, q, k, v, window_blocks)
+        assert_lists_match(mask, pairs, window, f"compiled, window {window}")
+        if window in (1, 2, 3, 4, 14) and (not long or name == "mixed"):
+            expected_mask = reference_mask(tokens, window)
+            dense = build_dense_mask(tokens, window_blocks)
+            assert torch.equal(dense, expected_mask), f"dense mask differs, window {window}"
+            expected = F.scaled_dot_product_attention(q, k, v, attn_mask=expected_mask)
+            torch.testing.assert_close(attention, expected, rtol=1e-5, atol=1e-5,
+                                       msg=f"window {window}")
+    assert backend.frames == 1

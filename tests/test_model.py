@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import train_gpt
-from train_gpt import GPT, Hyperparameters
+from train_gpt import GPT
+from train_gpt import Hyperparameters
 
 
 def test_default_model_has_the_records_parameter_count():
@@ -81,6 +82,7 @@ def dynamo_config_restored(monkeypatch):
     return config
 
 
+@pytest.mark.slow
 def test_regional_compile_traces_four_block_forms_and_the_head(monkeypatch, dynamo_config_restored):
     import functools
 
@@ -119,6 +121,7 @@ def test_auto_options_are_on_with_cuda_and_off_on_a_cpu(monkeypatch):
         assert not GPT.from_args(args, cuda).fused_head_loss
 
 
+@pytest.mark.slow
 def test_regional_compile_keeps_its_forms_compiled_and_never_falls_back_silently(dynamo_config_restored):
     """Training and evaluation trace 8 block forms, dynamo's default limit of graphs per function, past which it
     runs the function uncompiled without a word: compile_regions gives the limit headroom and makes a form past

@@ -5,14 +5,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import muon_worker
 import pytest
 import torch
+from helpers import BACKGROUND
+from helpers import kill_group
+from helpers import start_process
+from helpers import worker_env
+from muon_worker import SHAPES
+from muon_worker import STEPS
+from muon_worker import gradients
 
-import muon_worker
 import train_gpt
-from conftest import BACKGROUND, launch_env
-from muon_worker import SHAPES, STEPS, gradients
-from train_gpt import Muon, newton_schulz_wide
+from train_gpt import Muon
+from train_gpt import newton_schulz_wide
 
 
 def newton_schulz_float64(G, steps):
@@ -93,7 +99,8 @@ def aspect_scale(p):
     return max(1, p.shape[0] / p.shape[1]) ** 0.5
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager", "compiled"])
 def test_batched_step_gives_each_matrix_its_own_iteration(compiled):
     """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled alone."""
     torch.manual_seed(3)
@@ -122,7 +129,8 @@ def muon_float64(params, grads_per_step, schedule, nesterov):
 
 
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager", "compiled"])
 def test_muon_step_matches_float64(compiled, nesterov):
     torch.manual_seed(4)
     shapes = SHAPES_FOR[compiled]
@@ -153,14 +161,20 @@ WORKER = Path(__file__).with_name("muon_worker.py")
 def launch_worker(out_path, nproc):
     """The worker under torchrun with gloo, the way the trainer runs."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.Popen([sys.executable, *launcher, str(WORKER), str(out_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=launch_env(OMP_NUM_THREADS="1"))
+    return start_process([sys.executable, *launcher, str(WORKER), str(out_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=worker_env(OMP_NUM_THREADS="1"))
 
 
 def run_workers(out_dir, nprocs):
-    """One launch per world size, all at once; per world size its stderr, exit code and saved result."""
+    """One launch per world size, all at once; per world size its stderr, exit code and saved
+    result."""
     runs = {n: launch_worker(out_dir / f"{n}.pt", n) for n in nprocs}
-    results = {n: run.communicate(timeout=300)[1] for n, run in runs.items()}
+    try:
+        results = {n: run.communicate(timeout=300)[1] for n, run in runs.items()}
+    finally:
+        for run in runs.values():
+            kill_group(run)
     return {n: (stderr, runs[n].returncode, out_dir / f"{n}.pt") for n, stderr in results.items()}
 
 
@@ -195,6 +209,7 @@ def test_muon_one_process_matches_plain_muon(one_process):
         torch.testing.assert_close(a, ref, rtol=0, atol=2e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.background.with_args(muon_workers)
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_muon_processes_match_one(request, one_process, nproc):

@@ -4,7 +4,12 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import train_gpt
-from train_gpt import GPT, Muon, build_optimizers, lr_multiplier, muon_momentum, parse_args
+from train_gpt import GPT
+from train_gpt import Muon
+from train_gpt import build_optimizers
+from train_gpt import lr_multiplier
+from train_gpt import muon_momentum
+from train_gpt import parse_args
 
 
 def test_optimizer_defaults_are_record_18s():
@@ -42,6 +47,7 @@ def test_adam_eps_is_one_flag_away():
     assert adam.defaults["eps"] == 1e-10
 
 
+@pytest.mark.slow
 def test_compiled_newton_schulz_compiles_once_per_stacked_shape_and_computes_the_same(monkeypatch):
     """Muon's compiled iteration: tall matrices join their wide twins' batch; later steps, with new lr
     and momentum, reuse the graphs."""
@@ -82,6 +88,7 @@ def test_default_model_stacks_muon_matrices_in_two_batches(monkeypatch, world_si
     assert [tuple(x.shape) for x in muon.stacked] == stacked
 
 
+@pytest.mark.slow
 def test_no_inductor_option_is_changed_unless_asked(monkeypatch, markov_shards, tmp_path):
     """The compile branch of train(), with torch.compile made a no-op so that it costs nothing on a CPU."""
     from torch._inductor import config as inductor_config

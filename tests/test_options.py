@@ -6,7 +6,11 @@ import pytest
 import torch
 
 import train_gpt
-from train_gpt import PRESETS, Hyperparameters, check_hyperparameters, parse_args, window_blocks_at
+from train_gpt import PRESETS
+from train_gpt import Hyperparameters
+from train_gpt import check_hyperparameters
+from train_gpt import parse_args
+from train_gpt import window_blocks_at
 
 # option: values that parse but cannot work ({file} and {folder}: an existing file and folder)
 BAD = {

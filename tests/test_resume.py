@@ -6,25 +6,25 @@ import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import BACKGROUND
+from helpers import REPO
+from helpers import SOURCE
+from helpers import finished_log
+from helpers import run_process
+from helpers import run_trainer
+from helpers import step_lines
+from helpers import tiny
+from helpers import val_losses
+from helpers import worker_env
 
 import train_gpt
-from conftest import REPO, finished_log, launch_env
-from test_end_to_end import SOURCE, step_lines, val_losses
 
-
-# 6 blocks of width 16 (a CPU step is mostly the 50,304-wide head), 8 steps of 256 tokens: 2 micro-batches on
-# 1 process, 1 on each of 2; validation every 2 steps, on 2 sequences
-def tiny(markov_shards, log_dir, *extra):
-    train, val, _ = markov_shards
-    return ["--preset", "smoke", "--train_files", train, "--val_files", val, "--num_layers", "6",
-            "--model_dim", "16", "--num_heads", "1", "--num_iterations", "8", "--val_loss_every", "2",
-            "--batch_size", "256", "--max_device_batch_size", "128", "--val_tokens", "256",
-            "--log_dir", str(log_dir), *extra]
+# real runs of the trainer, every test
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -130,25 +130,48 @@ def test_under_nohup_a_hang_up_does_not_stop_the_run(markov_shards, tmp_path, mo
     assert code == 0 and sorted(val_losses(finished_log(tmp_path))) == [2]
 
 
+def stopped_under_torchrun(request):
+    """On the background queue, started at session start: the uninterrupted run as a process of its
+    own (checkpoints every 4 steps), then its step-4 checkpoint resumed on 2 processes, which
+    torchrun stops after step 6 (tests/stop_worker.py). Gives the run's folder, the uninterrupted
+    log and checkpoints, and torchrun's finished process."""
+    shards = request.getfixturevalue("markov_shards")
+    tmp = request.getfixturevalue("tmp_path_factory").mktemp("stopped_under_torchrun")
+
+    def run():
+        uninterrupted = run_trainer(tiny(shards, tmp / "uninterrupted", "--checkpoint_every", "4"),
+                                    threads=1)
+        assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+        log = finished_log(tmp / "uninterrupted")
+        checkpoints = sorted((log.parent / log.stem).glob("state_step*.pt"))
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        command = [sys.executable, *launcher, str(REPO / "tests" / "stop_worker.py"), "5",
+                   "--resume", str(checkpoints[0]), "--log_dir", str(tmp / "2")]
+        result = run_process(command, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
+        return tmp, log, checkpoints, result
+    return BACKGROUND.once("stopped_under_torchrun", run)
+
+
+@pytest.mark.background.with_args(stopped_under_torchrun)
 def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_across_process_counts(
-        reference, tmp_path):
-    """1 -> 2 -> 1 processes: the reference's step-4 checkpoint resumed on 2 processes, which torchrun stops
-    after step 6 (tests/stop_worker.py), then that checkpoint resumed on 1 process to the end."""
-    expected, checkpoints = reference
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "stop_worker.py"), "5", "--resume", str(checkpoints[0]),
-           "--log_dir", str(tmp_path / "2")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                            env=launch_env(OMP_NUM_THREADS="1"))
-    # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers, without one
-    assert result.returncode == 1 and "SignalException: Process" in result.stderr, result.stderr[-3000:]
+        request, one_thread):
+    """1 -> 2 -> 1 processes: the uninterrupted run's step-4 checkpoint resumed on 2 processes,
+    which torchrun stops after step 6, then that checkpoint resumed on 1 process (here) to the
+    end."""
+    tmp_path, uninterrupted, checkpoints, result = stopped_under_torchrun(request).result()
+    expected = val_losses(uninterrupted)
+    # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers,
+    # without one
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "SignalException: Process" in result.stderr, result.stderr[-3000:]
     assert 'train_gpt.py", line' not in result.stderr
     log = finished_log(tmp_path / "2")
     stopped = log.parent / log.stem / "state_step000006.pt"
     stop_line = ("stopped by SIGTERM after step 6; resume with: torchrun --standalone --nproc_per_node=2 "
                  f"train_gpt.py --resume {stopped}")
     assert log.read_text().splitlines()[-1] == stop_line and stop_line in result.stderr.splitlines()
-    assert val_losses(log) == {4: expected[4]}  # validation at the step resumed from; none at the stop
+    # validation at the step resumed from; none at the stop
+    assert val_losses(log) == {4: expected[4]}
     # every Muon matrix's momentum, gathered from the rank that holds it
     momenta = torch.load(stopped)["muon"]
     with torch.device("meta"):
@@ -156,9 +179,11 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
     assert set(momenta) == {name for name, p in model.blocks.named_parameters(prefix="blocks") if p.ndim == 2}
     losses = resumed_losses(stopped, tmp_path / "1")
     assert sorted(losses) == [6, 8]
-    for step, loss in losses.items():  # the order of float sums differs with the process count
+    # the order of float sums differs with the process count
+    for step, loss in losses.items():
         assert abs(loss - expected[step]) < 2e-3, (step, loss, expected[step])
-    assert losses[8] < expected[4] - 0.5  # not equal because nothing moved
+    # not equal because nothing moved
+    assert losses[8] < expected[4] - 0.5
 
 
 def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, tmp_path):

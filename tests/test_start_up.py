@@ -9,15 +9,20 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import LN_VOCAB, REPO, launch_env
-from test_data import run_main
+from helpers import BACKGROUND
+from helpers import LN_VOCAB
+from helpers import REPO
+from helpers import TINY_RUN
+from helpers import launch_env
+from helpers import run_main
+from helpers import run_process
 
 import train_gpt
-from train_gpt import DistributedDataLoader, UserError, load_data_shard, markov_stream, write_data_shard
-
-# one step of one 128-token sequence, validated after it
-TINY_RUN = ["--preset", "smoke", "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "128",
-            "--max_device_batch_size", "128", "--val_tokens", "128"]
+from train_gpt import DistributedDataLoader
+from train_gpt import UserError
+from train_gpt import load_data_shard
+from train_gpt import markov_stream
+from train_gpt import write_data_shard
 
 # runs train_gpt.py as a script, once per argument list, in a process where `import triton` fails
 WITHOUT_TRITON = """import runpy, sys
@@ -31,12 +36,26 @@ for argv in {runs!r}:
 """
 
 
-def test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss(tmp_path):
-    refused, trained = tmp_path / "refused", tmp_path / "trained"
-    runs = [[*TINY_RUN, "--log_dir", str(refused), "--fused_head_loss", "true"], [*TINY_RUN, "--log_dir", str(trained)]]
-    env = launch_env(OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON.format(runs=runs)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+def without_triton(request):
+    """On the background queue: the trainer refusing the fused head loss, then training, in a
+    process where `import triton` fails. Gives the two log folders and the finished process."""
+    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("without_triton")
+    refused = tmp_path / "refused"
+    trained = tmp_path / "trained"
+    runs = [[*TINY_RUN, "--log_dir", str(refused), "--fused_head_loss", "true"],
+            [*TINY_RUN, "--log_dir", str(trained)]]
+    command = [sys.executable, "-c", WITHOUT_TRITON.format(runs=runs)]
+    env = launch_env(OMP_NUM_THREADS="1")
+
+    def run():
+        return refused, trained, run_process(command, 300, cwd=REPO, env=env)
+    return BACKGROUND.once("without_triton", run)
+
+
+@pytest.mark.slow
+@pytest.mark.background.with_args(without_triton)
+def test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss(request):
+    refused, trained, result = without_triton(request).result()
     out = result.stdout
     assert out.count("exit code") == 2 and out.rstrip().endswith("exit code 0"), result.stderr[-3000:]
     assert out.index("exit code 1") < out.index("step:")  # refused before any step
