@@ -1,10 +1,8 @@
-"""train_gpt.main() as torchrun runs it, but rank 1 runs out of memory in Muon's step of train step FAIL_AT
-(the exception a GPU raises, which the trainer turns into its one-line error), while rank 0 goes on into
-the step's all-gather with it.
+"""train_gpt.main() as torchrun runs it, but rank 1 runs out of memory in Muon's step of train step
+FAIL_AT (the exception a GPU raises, which the trainer turns into its one-line error), while rank 0
+goes on into the step's all-gather with it.
 
-Run by tests/test_launch.py, through run.sh: `... fail_worker.py FAIL_AT TRAINER_OPTIONS...`.
-"""
-import os
+Run by tests/test_launch.py, through run.sh: `... fail_worker.py FAIL_AT TRAINER_OPTIONS...`."""
 import sys
 
 import torch

@@ -80,8 +80,8 @@ def kill_every_live_group():
 
 
 def start_process(command, **kwargs):
-    """subprocess.Popen in a new session (so its process group can be killed whole), remembered until
-    kill_group or the end of the session."""
+    """subprocess.Popen in a new session (so its process group can be killed whole), remembered
+    until kill_group or the end of the session."""
     process = subprocess.Popen(command, start_new_session=True, **kwargs)
     with LIVE_LOCK:
         LIVE_GROUPS.add(process)
@@ -90,7 +90,8 @@ def start_process(command, **kwargs):
 
 @contextlib.contextmanager
 def started(command, **kwargs):
-    """start_process for a `with` block; the group is killed when the block ends, however it ends."""
+    """start_process for a `with` block; the group is killed when the block ends, however it
+    ends."""
     process = start_process(command, **kwargs)
     try:
         yield process
@@ -114,8 +115,8 @@ def run_process(command, timeout, **kwargs):
 
 
 def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py"):
-    """Run train_gpt.py (or a tool wrapping it) as users do: plainly for one process, through torchrun
-    for several; `threads` per process, by default the cores shared out."""
+    """Run train_gpt.py (or a tool wrapping it) as users do: plainly for one process, through
+    torchrun for several; `threads` per process, by default the cores shared out."""
     if nproc == 1:
         command = [sys.executable, str(REPO / script), *args]
     else:
@@ -153,8 +154,8 @@ BACKGROUND = Background()
 
 
 def load_records_script(name):
-    """records/NAME.py as a module (records/ is not a package); registered first, as dataclasses look
-    their module up in sys.modules."""
+    """records/NAME.py as a module (records/ is not a package); registered first, as dataclasses
+    look their module up in sys.modules."""
     spec = importlib.util.spec_from_file_location(f"records_{name}",
                                                   REPO / "records" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -188,7 +189,8 @@ def stream_shards(folder, sizes):
 
 
 def corrupt(path, how):
-    """Damage a shard's header (`magic`, `version`) or cut it short (`truncated`, `header_only_part`)."""
+    """Damage a shard's header (`magic`, `version`) or cut it short (`truncated`,
+    `header_only_part`)."""
     data = bytearray(path.read_bytes())
     if how == "magic":
         data[0:4] = np.int32(12345).tobytes()

@@ -1,8 +1,8 @@
-"""train_gpt.main() as torchrun runs it, but at step FULL_AT rank 0's log starts failing as on a full disk (its
-descriptor becomes /dev/full's). The processes exchange the stop flag at every step (STOP_CHECK_EVERY = 1).
+"""train_gpt.main() as torchrun runs it, but at step FULL_AT rank 0's log starts failing as on a
+full disk (its descriptor becomes /dev/full's). The processes exchange the stop flag at every step
+(STOP_CHECK_EVERY = 1).
 
-Run by tests/test_disk.py: `torchrun ... log_full_worker.py FULL_AT TRAINER_OPTIONS...`.
-"""
+Run by tests/test_disk.py: `torchrun ... log_full_worker.py FULL_AT TRAINER_OPTIONS...`."""
 import os
 import sys
 

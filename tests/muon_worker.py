@@ -1,9 +1,7 @@
 """Muon on fixed parameters and gradients, as one process or under torchrun; saves rank 0's result.
 
-Run by tests/test_muon.py through torchrun with 2 or 3 processes, the way the trainer itself is launched;
-the test runs train() in its own process for the single-process result.
-"""
-import os
+Run by tests/test_muon.py through torchrun with 2 or 3 processes, the way the trainer itself is
+launched; the test runs train() in its own process for the single-process result."""
 import sys
 
 import torch
@@ -23,7 +21,8 @@ def gradients(step, params):
 
 
 def train():
-    """STEPS steps of Muon on SHAPES; in whatever world RANK and WORLD_SIZE describe (Muon reads them)."""
+    """STEPS steps of Muon on SHAPES; in whatever world RANK and WORLD_SIZE describe (Muon reads
+    them)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
     optimizer = Muon(params, lr=0.05, momentum=0.9)

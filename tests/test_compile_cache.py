@@ -1,5 +1,5 @@
-"""The portable compile cache: what one process compiled, another with empty local caches reuses; a file it did not
-write is never replaced."""
+"""The portable compile cache: what one process compiled, another with empty local caches reuses; a
+file it did not write is never replaced."""
 import dataclasses
 import os
 import sys
@@ -54,7 +54,8 @@ def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(re
     assert loaded.startswith("not found") and counts == "0 1" and saved.startswith("saved")
     assert not temp_files  # the temp file was renamed into place
     loaded, counts, _ = second
-    assert loaded.startswith("loaded") and counts == "1 0"  # inductor's own count: a hit, no new code
+    # inductor's own count: a hit, no new code
+    assert loaded.startswith("loaded") and counts == "1 0"
 
 
 def test_foreign_or_corrupt_cache_is_reported_and_ignored(tmp_path):
@@ -88,8 +89,8 @@ def test_an_existing_file_that_is_not_a_cache_is_refused_at_start_up_and_left_as
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
 @pytest.mark.parametrize("kind", ["device", "named pipe"])
 def test_a_device_or_a_pipe_is_refused_without_waiting_for_it(tmp_path, capsys, kind):
-    """Replaced, /dev/null would become a plain file (as root, which CI runs as); a pipe's reader waits for a
-    writer."""
+    """Replaced, /dev/null would become a plain file (as root, which CI runs as); a pipe's reader
+    waits for a writer."""
     path = os.devnull
     if kind == "named pipe":
         path = tmp_path / "pipe"

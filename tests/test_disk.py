@@ -1,5 +1,6 @@
-"""What the trainer writes and deletes: only its own files (checkpoints of its own rotation, its own temp files of
-interrupted writes, once no process owns them), and a full disk is one line, never a lost run."""
+"""What the trainer writes and deletes: only its own files (checkpoints of its own rotation, its own
+temp files of interrupted writes, once no process owns them), and a full disk is one line, never a
+lost run."""
 import os
 import re
 import signal
@@ -23,7 +24,8 @@ HOST = socket.gethostname()
 
 
 def dead_pid():
-    """The id of a process that has ended (reaped, so no process has it until the system reuses it)."""
+    """The id of a process that has ended (reaped, so no process has it until the system reuses
+    it)."""
     child = subprocess.Popen(["true"])
     child.wait()
     return child.pid
@@ -36,8 +38,9 @@ def temp_name(path, pid, host=HOST):
 
 @pytest.fixture(scope="module")
 def run_among_user_files(markov_shards, tmp_path_factory):
-    """A 3-step run checkpointing every step, into a log folder holding a user's files and the temp files of
-    interrupted writes; returns the log folder, the run's checkpoint folder, and the planted files, by kind."""
+    """A 3-step run checkpointing every step, into a log folder holding a user's files and the temp
+    files of interrupted writes; returns the log folder, the run's checkpoint folder, and the
+    planted files, by kind."""
     log_dir = tmp_path_factory.mktemp("crowded")
     run_id = uuid.UUID(int=28)
     run_folder = log_dir / str(run_id)
@@ -93,7 +96,8 @@ def test_stale_temp_files_are_removed_only_when_the_trainer_wrote_them_and_their
 
 @pytest.fixture
 def small_filesystem(tmp_path):
-    """A 100 MiB tmpfs (which needs root): room for three checkpoints of the tiny model, 28 MiB each."""
+    """A 100 MiB tmpfs (which needs root): room for three checkpoints of the tiny model, 28 MiB
+    each."""
     folder = tmp_path / "small"
     folder.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(folder)], capture_output=True)
@@ -124,8 +128,8 @@ def at_step(monkeypatch, actions):
 @pytest.mark.slow
 def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_on(
         small_filesystem, markov_shards, capsys, monkeypatch):
-    """The disk fills before step 3's checkpoint; SIGTERM at step 4, whose checkpoint fails too: the stop line
-    points at step 2's, which stays."""
+    """The disk fills before step 3's checkpoint; SIGTERM at step 4, whose checkpoint fails too: the
+    stop line points at step 2's, which stays."""
     log_dir = small_filesystem / "logs"
     at_step(monkeypatch, {3: lambda: fill(small_filesystem, 256 * 1024),
                           4: lambda: signal.raise_signal(signal.SIGTERM)})
@@ -176,7 +180,8 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoi
     checkpoint = tmp_path / log.stem / "state_step000003.pt"  # written at the stop
     assert err.startswith(f"error: cannot write to the log {log} (No space left on device): stopped after step 3; ")
     assert err.rstrip().endswith(f" --resume {checkpoint}")
-    assert log.read_text().splitlines()[-1].startswith("step:2/8 train_loss:")  # all it could write, kept
+    # all it could write, kept
+    assert log.read_text().splitlines()[-1].startswith("step:2/8 train_loss:")
     torch.load(checkpoint)
 
 
@@ -193,7 +198,8 @@ def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards,
 
 
 def run_with_a_failing_log(tmp_path_factory, markov_shards):
-    """tests/log_full_worker.py under torchrun: rank 0's log fails from step 2 on; a checkpoint every 2 steps."""
+    """tests/log_full_worker.py under torchrun: rank 0's log fails from step 2 on; a checkpoint
+    every 2 steps."""
     log_dir = tmp_path_factory.mktemp("log_full")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO / "tests" / "log_full_worker.py"), "2",
@@ -210,8 +216,8 @@ def log_full_on_two_processes(request):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
 @pytest.mark.background.with_args(log_full_on_two_processes)
 def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(request):
-    """Rank 1 learns it with the stop flag, as of a signal: both stop after step 4, whose checkpoint (a collective:
-    rank 1 sends its Muon momenta) is written."""
+    """Rank 1 learns it with the stop flag, as of a signal: both stop after step 4, whose checkpoint
+    (a collective: rank 1 sends its Muon momenta) is written."""
     log_dir, result = log_full_on_two_processes(request).result()
     log = finished_log(log_dir)
     checkpoint = log_dir / log.stem / "state_step000004.pt"
@@ -219,5 +225,6 @@ def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(re
     assert errors == [f"error: cannot write to the log {log} (No space left on device): stopped after step 4; "
                       "resume with: torchrun --standalone --nproc_per_node=2 train_gpt.py --resume "
                       f"{checkpoint}"], result.stderr[-3000:]
-    assert result.returncode != 0 and 'train_gpt.py", line' not in result.stderr  # no worker's traceback
+    # no worker's traceback
+    assert result.returncode != 0 and 'train_gpt.py", line' not in result.stderr
     assert torch.load(checkpoint)["step"] == 4

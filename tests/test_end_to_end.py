@@ -1,4 +1,5 @@
-"""Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and learning."""
+"""Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and
+learning."""
 import hashlib
 
 import numpy as np
@@ -61,7 +62,8 @@ def test_smoke_run_with_no_data_named_learns_its_synthetic_markov_chain(smoke_ru
     assert losses[0] == round(LN_VOCAB, 4)
     # the chain allows about ln 4 = 1.39 nats; the unigram entropy is about 5.4
     assert final < entropy - 2.5, f"final val loss {final} vs unigram entropy {entropy:.3f}"
-    assert list(losses.values()) == sorted(losses.values(), reverse=True)  # improves at every evaluation
+    # improves at every evaluation
+    assert list(losses.values()) == sorted(losses.values(), reverse=True)
 
 
 @smoke_marked(("short", 1))

@@ -32,8 +32,8 @@ def plain_head_loss_float64(x, weight, targets):
 
 
 def head_inputs(rows, dim, vocab, logit_scale, seed):
-    """bf16 rms-normed rows as the model feeds its head; targets include the first and last token ids,
-    a repeated id, the most likely and the least likely token of a row."""
+    """bf16 rms-normed rows as the model feeds its head; targets include the first and last token
+    ids, a repeated id, the most likely and the least likely token of a row."""
     g = torch.Generator().manual_seed(seed)
     x = F.rms_norm(torch.randn(rows, dim, generator=g), (dim,)).bfloat16().requires_grad_()
     weight = (torch.randn(vocab, dim, generator=g) * logit_scale / dim ** 0.5).requires_grad_()
@@ -44,7 +44,8 @@ def head_inputs(rows, dim, vocab, logit_scale, seed):
 
 
 def softcapped_losses_float64(logits, targets):
-    """Per-row softcap + cross-entropy of the given logits in float64, and the gradient of their mean."""
+    """Per-row softcap + cross-entropy of the given logits in float64, and the gradient of their
+    mean."""
     z = logits.detach().double().requires_grad_()
     losses = F.cross_entropy(15 * torch.tanh(z / 15), targets, reduction="none")
     return losses.detach(), torch.autograd.grad(losses.mean(), z)[0]
@@ -56,7 +57,8 @@ def small_row_blocks(monkeypatch):
     monkeypatch.setitem(train_gpt.HEAD_LAUNCH_CPU, "ROWS", 16)
 
 
-@pytest.mark.parametrize("logit_scale", [3.0, 1000.0])  # typical logits, and |z| ~ 1000 where tanh saturates
+# typical logits, and |z| ~ 1000 where tanh saturates
+@pytest.mark.parametrize("logit_scale", [3.0, 1000.0])
 @needs_triton
 def test_kernel_writes_the_loss_gradient_over_the_logits(small_row_blocks, logit_scale):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=logit_scale, seed=1)
@@ -76,7 +78,8 @@ def test_kernel_writes_the_loss_gradient_over_the_logits(small_row_blocks, logit
 def test_fused_head_loss_and_gradients_match_the_plain_head_in_float64(small_row_blocks, logit_scale):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=logit_scale, seed=1)
     loss = fused_head_loss(x, weight, targets)
-    grad_x, grad_w = torch.autograd.grad(2.5 * loss, (x, weight))  # scaled: backward multiplies by grad_output
+    # scaled: backward multiplies by grad_output
+    grad_x, grad_w = torch.autograd.grad(2.5 * loss, (x, weight))
     ref_loss, ref_grad_x, ref_grad_w = plain_head_loss_float64(x, weight, targets)
     assert grad_x.dtype == torch.bfloat16 and grad_w.dtype == torch.float32
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-4
@@ -90,7 +93,8 @@ def test_fused_head_loss_and_gradients_match_the_plain_head_in_float64(small_row
 def test_upstream_gradient_scales_the_head_gradients_exactly(small_row_blocks):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=3.0, seed=2)
     grads = torch.autograd.grad(fused_head_loss(x, weight, targets), (x, weight))
-    scaled = torch.autograd.grad(fused_head_loss(x, weight, targets) / 8, (x, weight))  # as with 8 micro-batches
+    # as with 8 micro-batches
+    scaled = torch.autograd.grad(fused_head_loss(x, weight, targets) / 8, (x, weight))
     for grad, grad_of_eighth in zip(grads, scaled):
         assert torch.equal(grad_of_eighth * 8, grad)  # powers of two scale exactly
 
@@ -135,8 +139,10 @@ def test_chunked_head_loss_and_gradients_match_float64_and_the_unchunked_head(sm
     assert rows == [16, 16, 5]
     ref_loss, ref_grad_x, ref_grad_w = plain_head_loss_float64(x, weight, targets)
     assert grad_x.dtype == torch.bfloat16 and grad_w.dtype == torch.float32
-    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-3  # bf16 logits, chunked or not
-    assert loss.item() == pytest.approx(whole.item(), rel=1e-6)  # only the order of the fp32 sum differs
+    # bf16 logits, chunked or not
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-3
+    # only the order of the fp32 sum differs
+    assert loss.item() == pytest.approx(whole.item(), rel=1e-6)
     assert relative_error(grad_x, ref_grad_x) < 1e-2
     assert relative_error(grad_x, whole_grads[0].double()) < 1e-3  # the same rows' products
     # summed in fp32, never rounded to bf16 as the unchunked product is: closer to float64 (0.002 against
@@ -159,7 +165,8 @@ def test_chunked_head_saves_no_tensor_of_rows_by_vocab_for_backward(small_row_bl
         largest[chunk_rows] = max(saved)
         torch.autograd.grad(loss, (x, weight))
     assert largest[0] == rows * vocab  # unchunked: the gradient of the logits
-    assert largest[16] == vocab * dim < rows * vocab / 2  # chunked: grad_W, the largest of grad_x and grad_W
+    # chunked: grad_W, the largest of grad_x and grad_W
+    assert largest[16] == vocab * dim < rows * vocab / 2
 
 
 @needs_triton
@@ -175,7 +182,8 @@ def test_chunked_eval_loss_equals_the_unchunked_eval_loss(small_row_blocks, monk
 
 @needs_triton
 def test_head_chunk_rows_reaches_the_models_fused_head_from_the_command_line(monkeypatch):
-    options = "--preset smoke --vocab_size 1024 --fused_head_loss true --head_chunk_rows 64"  # fast to build
+    # fast to build
+    options = "--preset smoke --vocab_size 1024 --fused_head_loss true --head_chunk_rows 64"
     model = GPT.from_args(train_gpt.parse_args(options.split()))
     rows = recorded_kernel_rows(monkeypatch)
     x = torch.randn(100, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -187,7 +195,8 @@ def test_head_chunk_rows_reaches_the_models_fused_head_from_the_command_line(mon
 @needs_triton
 def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monkeypatch):
     # the model is compiled on CUDA: fused_head_loss is a graph break there, the graphs around it must still connect
-    x, weight, targets = head_inputs(rows=100, dim=32, vocab=777, logit_scale=3.0, seed=4)  # vocab: no multiple of 128
+    # vocab: no multiple of 128
+    x, weight, targets = head_inputs(rows=100, dim=32, vocab=777, logit_scale=3.0, seed=4)
     h = x.detach().float().requires_grad_()
 
     def head(h, weight, targets):
@@ -221,8 +230,10 @@ def test_smoke_run_with_the_fused_head_loss_has_the_plain_runs_val_losses(smoke_
 
 def small_model_loss_and_grads(float64=False, **options):
     torch.manual_seed(0)
-    model = GPT(1024, 8, 2, 64, **options)  # a small vocabulary: bf16 products are slow on CPUs without AVX-512
-    for name, p in model.named_parameters():  # away from the zero initialisations, so every gradient flows
+    # a small vocabulary: bf16 products are slow on CPUs without AVX-512
+    model = GPT(1024, 8, 2, 64, **options)
+    # away from the zero initialisations, so every gradient flows
+    for name, p in model.named_parameters():
         if p.ndim == 2 and "embed" not in name:
             torch.nn.init.normal_(p, std=0.5 / p.size(1) ** 0.5)
     if float64:  # the plain model without bf16 rounding (its bf16 embedding tables convert exactly)
@@ -246,9 +257,11 @@ def test_model_with_the_fused_head_is_as_close_to_float64_as_the_plain_model(mon
     kernel, calls = train_gpt.softcapped_cross_entropy_, []
     monkeypatch.setattr(train_gpt, "softcapped_cross_entropy_", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     loss, grads = small_model_loss_and_grads(**{option: True})
-    assert len(calls) == (option == "fused_head_loss")  # the option reaches the kernel, once per forward
+    # the option reaches the kernel, once per forward
+    assert len(calls) == (option == "fused_head_loss")
     assert abs(loss - ref_loss) / ref_loss < 2e-4
-    assert grads.keys() == ref_grads.keys()  # same Parameters, so optimisers and checkpoints are unchanged
+    # same Parameters, so optimisers and checkpoints are unchanged
+    assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
         # bf16 activations round everywhere: the plain model itself is 1% off on matrices and up to 15% on
         # scalars (sums that cancel); the option may add rounding of that size, a wrong gradient is far off

@@ -1,6 +1,7 @@
-"""How a run is launched, and how it ends beyond one process: torchrun's variables left in a shell, run.sh
-(with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`, on PATH), a rank that fails among
-several, the command printed to resume, a console that goes away, and nvidia-smi in the log."""
+"""How a run is launched, and how it ends beyond one process: torchrun's variables left in a shell,
+run.sh (with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`, on PATH), a rank
+that fails among several, the command printed to resume, a console that goes away, and nvidia-smi in
+the log."""
 import os
 import shlex
 import shutil
@@ -178,7 +179,8 @@ def run_sh_env(bin_folder, gpus, **extra):
 
 @needs_no_gpu
 @pytest.mark.parametrize("nvidia_smi,visible,says", [
-    (NVIDIA_SMI, None, "trainer"),  # GPUs this torch cannot use: the trainer's line names them and the fix
+    # GPUs this torch cannot use: the trainer's line names them and the fix
+    (NVIDIA_SMI, None, "trainer"),
     ("import sys; sys.exit(9)", None, "run.sh"),  # nvidia-smi does not answer: no GPU
     (NVIDIA_SMI, "", "run.sh"),  # CUDA_VISIBLE_DEVICES="": the GPUs are hidden on purpose
 ], ids=["gpus_listed", "no_answer", "gpus_hidden"])
@@ -205,8 +207,8 @@ def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visib
 
 
 def failing_rank_under_run_sh(request):
-    """run.sh on two stand-in GPUs, rank 1 out of memory in train step 1 (tests/fail_worker.py); started at
-    session start, as it takes a while. Gives the log folder and the finished process."""
+    """run.sh on two stand-in GPUs, rank 1 out of memory in train step 1 (tests/fail_worker.py);
+    started at session start, as it takes a while. Gives the log folder and the finished process."""
     shards = request.getfixturevalue("markov_shards")
     tmp = request.getfixturevalue("tmp_path_factory").mktemp("failing_rank")
 
@@ -261,8 +263,8 @@ def as_nohup_starts_it():
 
 
 def stopped_under_nohup(request):
-    """On the background queue: run.sh on two stand-in GPUs as nohup starts it, sent SIGHUP once both
-    workers have started, then SIGTERM. Gives each worker's report and run.sh's end."""
+    """On the background queue: run.sh on two stand-in GPUs as nohup starts it, sent SIGHUP once
+    both workers have started, then SIGTERM. Gives each worker's report and run.sh's end."""
     tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("nohup")
     worker = tmp_path / "worker.py"
     worker.write_text(STOPPING_WORKER)
@@ -300,8 +302,8 @@ def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(reque
 # a console that goes away ----------------------------------------------------------------------------------
 
 def test_a_console_that_goes_away_does_not_end_the_run(markov_shards, tmp_path, monkeypatch):
-    """The trainer, in this process as `python train_gpt.py` runs it, its stdout a pipe whose reader is
-    gone (a closed terminal, `| head` that has ended): the run and its log go on to the end."""
+    """The trainer, in this process as `python train_gpt.py` runs it, its stdout a pipe whose reader
+    is gone (a closed terminal, `| head` that has ended): the run and its log go on to the end."""
     read_end, write_end = os.pipe()
     os.close(read_end)
     console = os.fdopen(write_end, "w")

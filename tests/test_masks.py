@@ -1,6 +1,6 @@
-"""The attention masks against masks computed token by token: the FlexAttention block lists (kv side and q side,
-partial and full) at many lengths, layouts and windows, the dense CPU mask, and the compiled mask, which must hold
-no sort."""
+"""The attention masks against masks computed token by token: the FlexAttention block lists (kv side
+and q side, partial and full) at many lengths, layouts and windows, the dense CPU mask, and the
+compiled mask, which must hold no sort."""
 import time
 
 import pytest
@@ -86,15 +86,19 @@ def long_layout(name, length, seed=0):
 
     starts = {
         "one_document": torch.tensor([0]),
-        "mid_document_start": torch.tensor([length // 3 + 5]),  # no EOT at 0: the first document began earlier
+        # no EOT at 0: the first document began earlier
+        "mid_document_start": torch.tensor([length // 3 + 5]),
         "short_docs": anywhere(length // 30),  # several documents in every block
         "long_docs": anywhere(max(1, length // 2500)),  # documents spanning many blocks
         "on_block_edges": torch.arange(0, length, BLOCK_SIZE * 3),  # documents of exactly 3 blocks
         "every_block_edge": torch.arange(0, length, BLOCK_SIZE),  # one document per block
-        "on_last_tokens": torch.cat([torch.arange(BLOCK_SIZE - 1, length, BLOCK_SIZE * 2),  # a block's last token
-                                     torch.tensor([length - 1])]),  # opens a document, the sequence's last too
+        # a block's last token
+        "on_last_tokens": torch.cat([torch.arange(BLOCK_SIZE - 1, length, BLOCK_SIZE * 2),
+                                     # opens a document, the sequence's last too
+                                     torch.tensor([length - 1])]),
         "mixed": torch.cat([anywhere(3), torch.randint(0, length // 4, (length // 40,), generator=gen),
-                            torch.arange(length // 2, length, BLOCK_SIZE * 5)]),  # short ones, then long ones
+                            # short ones, then long ones
+                            torch.arange(length // 2, length, BLOCK_SIZE * 5)]),
         "random": anywhere(int(torch.randint(1, length // 8, (1,), generator=gen))),
     }[name]
     tokens[starts] = EOT
@@ -106,14 +110,16 @@ LONG_LAYOUTS = ["one_document", "mid_document_start", "short_docs", "long_docs",
 
 
 def reference_block_pairs(tokens):
-    """Per (q-block, kv-block), from the token pairs: whether any / every token pair is causal and within one
-    document; and whether both blocks lie entirely in one and the same document. The window depends on the blocks
-    only, so it is applied later; pairs more than 14 blocks apart, outside every window, are left False."""
+    """Per (q-block, kv-block), from the token pairs: whether any / every token pair is causal and
+    within one document; and whether both blocks lie entirely in one and the same document. The
+    window depends on the blocks only, so it is applied later; pairs more than 14 blocks apart,
+    outside every window, are left False."""
     docs = (tokens == EOT).cumsum(0, dtype=torch.int32).view(-1, BLOCK_SIZE)
     pos = torch.arange(len(tokens), dtype=torch.int32).view(-1, BLOCK_SIZE)
     n = len(docs)
     any_allowed, all_allowed = torch.zeros(n, n, dtype=torch.bool), torch.zeros(n, n, dtype=torch.bool)
-    for distance in range(min(n, max(WINDOWS))):  # q-block = kv-block + distance, every token pair of each
+    # q-block = kv-block + distance, every token pair of each
+    for distance in range(min(n, max(WINDOWS))):
         q, kv = torch.arange(distance, n), torch.arange(n - distance)
         allowed = ((pos[kv, None, :] <= pos[q, :, None]) & (docs[kv, None, :] == docs[q, :, None])).flatten(1)
         any_allowed[q, kv], all_allowed[q, kv] = allowed.any(1), allowed.all(1)
@@ -136,7 +142,8 @@ def reference_lists(pairs, window):
 
 
 def listed(counts, indices):
-    """How many times each column appears among a row's first `count` entries, as an (n, n) matrix."""
+    """How many times each column appears among a row's first `count` entries, as an (n, n)
+    matrix."""
     n = indices.shape[-1]
     assert counts.shape == (1, 1, n) and indices.shape == (1, 1, n, n)
     assert counts.dtype == indices.dtype == torch.int32 and indices.is_contiguous()
@@ -173,7 +180,8 @@ def test_block_lists_equal_the_token_level_blocks(length):
 
 
 def op_names(graph_module):
-    """Base names of the ops a graph calls: `sort` for aten.sort.stable, `argsort` for torch.argsort."""
+    """Base names of the ops a graph calls: `sort` for aten.sort.stable, `argsort` for
+    torch.argsort."""
     names = set()
     for node in graph_module.graph.nodes:
         if node.op == "call_method":
@@ -210,8 +218,8 @@ COMPILED_LENGTH = 16 * BLOCK_SIZE
 
 
 class RecordingInductor:
-    """Inductor as torch.compile's backend, counting the frames it compiles and keeping each graph it
-    is given: the one dynamo traced, and the one inductor lowers (after decompositions)."""
+    """Inductor as torch.compile's backend, counting the frames it compiles and keeping each graph
+    it is given: the one dynamo traced, and the one inductor lowers (after decompositions)."""
 
     def __init__(self):
         self.frames = 0

@@ -1,5 +1,5 @@
-"""Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64), and
-Muon in 2 and 3 processes against 1."""
+"""Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64),
+and Muon in 2 and 3 processes against 1."""
 import os
 import subprocess
 import sys
@@ -46,7 +46,8 @@ def newton_schulz_bf16(G, steps):
 
 
 def trainer_newton_schulz(G, steps):
-    """The trainer's iteration on one matrix, a tall one as its wide transpose, as Muon stacks it."""
+    """The trainer's iteration on one matrix, a tall one as its wide transpose, as Muon stacks
+    it."""
     tall = G.shape[0] > G.shape[1]
     X = newton_schulz_wide((G.T if tall else G).bfloat16()[None], steps)[0]
     return X.T if tall else X
@@ -102,7 +103,8 @@ def aspect_scale(p):
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["eager", "compiled"])
 def test_batched_step_gives_each_matrix_its_own_iteration(compiled):
-    """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled alone."""
+    """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled
+    alone."""
     torch.manual_seed(3)
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES_FOR[compiled]]
     for i, p in enumerate(params):
@@ -112,12 +114,14 @@ def test_batched_step_gives_each_matrix_its_own_iteration(compiled):
     for p in params:
         update = -p.detach() / aspect_scale(p)
         assert relative_error(update, newton_schulz_float64(p.grad, 5)) < 0.05
-        if not compiled:  # inductor fuses the elementwise ops, rounding less often: only near float64
+        # inductor fuses the elementwise ops, rounding less often: only near float64
+        if not compiled:
             assert relative_error(update, newton_schulz_bf16(p.grad, 5)) < 1e-3
 
 
 def muon_float64(params, grads_per_step, schedule, nesterov):
-    """Muon's whole step in float64, one matrix at a time: momentum, look-ahead, iteration, scale, lr."""
+    """Muon's whole step in float64, one matrix at a time: momentum, look-ahead, iteration, scale,
+    lr."""
     params = [p.double() for p in params]
     buffers = [torch.zeros_like(p) for p in params]
     for grads, (lr, m) in zip(grads_per_step, schedule):
@@ -136,7 +140,8 @@ def test_muon_step_matches_float64(compiled, nesterov):
     shapes = SHAPES_FOR[compiled]
     start = [torch.randn(shape) for shape in shapes]
     grads_per_step = [[torch.randn(shape) for shape in shapes] for _ in range(4)]
-    schedule = [(0.05, 0.85), (0.04, 0.9), (0.03, 0.95), (0.02, 0.95)]  # the training loop sets both each step
+    # the training loop sets both each step
+    schedule = [(0.05, 0.85), (0.04, 0.9), (0.03, 0.95), (0.02, 0.95)]
     params = [torch.nn.Parameter(p.clone()) for p in start]
     muon = Muon(params, lr=1.0, momentum=0.0, nesterov=nesterov, compiled=compiled)
     for grads, (lr, m) in zip(grads_per_step, schedule):
@@ -213,7 +218,8 @@ def test_muon_one_process_matches_plain_muon(one_process):
 @pytest.mark.background.with_args(muon_workers)
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_muon_processes_match_one(request, one_process, nproc):
-    """Uneven shares and groups smaller than the world (see SHAPES): every matrix is still applied once."""
+    """Uneven shares and groups smaller than the world (see SHAPES): every matrix is still applied
+    once."""
     stderr, returncode, out_path = muon_workers(request).result()[nproc]
     assert returncode == 0, stderr[-3000:]
     for a, b in zip(one_process, torch.load(out_path)):
@@ -223,7 +229,8 @@ def test_muon_processes_match_one(request, one_process, nproc):
 def test_muon_groups_by_shape_and_reads_world_from_environment(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    shapes = [(32, 48), (32, 48), (32, 48), (48, 16), (16, 24), (48, 32)]  # the tall (48, 32) joins (32, 48)
+    # the tall (48, 32) joins (32, 48)
+    shapes = [(32, 48), (32, 48), (32, 48), (48, 16), (16, 24), (48, 32)]
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
     optimizer = Muon(params, lr=0.05, momentum=0.95)
     assert (optimizer.rank, optimizer.world_size) == (1, 4)

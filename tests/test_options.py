@@ -23,7 +23,8 @@ BAD = {
     "cooldown_frac": ["2", "-0.1", "nan"],  # 2: once silently accepted
     "window_start": ["0", "127"],  # 127 // 128 = 0 blocks at step 0
     "window_end": ["64"],
-    "vocab_size": ["100", "50256"],  # 100: an IndexError deep in the embedding once; 50256 has no room for EOT
+    # 100: an IndexError deep in the embedding once; 50256 has no room for EOT
+    "vocab_size": ["100", "50256"],
     "num_layers": ["0", "4", "7"],
     "num_heads": ["0", "-2"],
     "model_dim": ["0", "770", "780"],  # 6 heads: 770 does not split, 780 splits into heads of 130
@@ -46,7 +47,8 @@ BAD = {
     "compile_cache": ["{folder}"],
     "seed": ["-1", str(2 ** 64)],  # -1: a ValueError from numpy once
     "checkpoint_every": ["-1"],
-    "resume": ["{folder}", "{file}", "missing.pt"],  # a folder without checkpoints, an empty file, no file
+    # a folder without checkpoints, an empty file, no file
+    "resume": ["{folder}", "{file}", "missing.pt"],
     "hellaswag_data": ["{folder}", "missing.jsonl"],
     "tokenizer": ["{folder}", "missing.tiktoken"],
 }
@@ -63,7 +65,8 @@ GOOD = {
     "vocab_size": ["50257"], "num_layers": ["6"], "num_heads": ["1", "192"], "model_dim": ["24"],
     "batch_size": ["128"], "max_device_batch_size": ["128", "65536"], "num_iterations": ["1"],
     "val_tokens": ["65536"], "seed": [str(2 ** 64 - 1)], "compile": ["auto", "true", "false"],
-    "fused_head_loss": ["auto", "false"] + ["true"] * (train_gpt.triton is not None),  # true needs triton
+    # true needs triton
+    "fused_head_loss": ["auto", "false"] + ["true"] * (train_gpt.triton is not None),
     "head_chunk_rows": ["0", "1"],
     "compile_cache": ["", "cache.bin"], "log_dir": ["new/folder"], "hellaswag_data": [""], "tokenizer": [""],
 }
@@ -71,23 +74,28 @@ GOOD = {
 
 def test_every_option_has_bad_values_in_the_table():
     names = {f.name for f in fields(Hyperparameters)}
-    assert set(BAD) | NO_BAD_VALUE == names and not set(BAD) & NO_BAD_VALUE  # a new field needs a row
+    # a new field needs a row
+    assert set(BAD) | NO_BAD_VALUE == names and not set(BAD) & NO_BAD_VALUE
     assert all(f.type is bool for f in fields(Hyperparameters) if f.name in NO_BAD_VALUE)
 
 
 @pytest.mark.parametrize("name,value", [(name, value) for name, values in BAD.items() for value in values])
 def test_a_value_that_cannot_work_is_one_error_line_naming_the_option(tmp_path, capsys, monkeypatch, name, value):
-    monkeypatch.chdir(tmp_path)  # no data here: were a check missing, the run would still stop before a step
+    # no data here: were a check missing, the run would still stop before a step
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "a_file").write_text("")
     (tmp_path / "a_folder").mkdir()
     value = value.format(file="a_file", folder="a_folder")
-    argv = ["--log_dir", "logs", f"--{name}={value}"]  # the later --log_dir wins; = lets "-1e-08" through
+    # the later --log_dir wins; = lets "-1e-08" through
+    argv = ["--log_dir", "logs", f"--{name}={value}"]
     given = getattr(parse_args(argv), name)
     assert train_gpt.main(argv) == 1
     out, err = capsys.readouterr()
     assert err.startswith(f"error: --{name} ") and err.count("\n") == 1 and err.endswith("\n"), err
-    assert repr(given) in err and "Traceback" not in err and out == ""  # the value given; no step ran
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "a_folder"]  # no log folder, no shard
+    # the value given; no step ran
+    assert repr(given) in err and "Traceback" not in err and out == ""
+    # no log folder, no shard
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "a_folder"]
 
 
 def test_defaults_presets_and_edge_values_pass():
@@ -107,9 +115,11 @@ def test_smoke_preset_uses_every_part_and_fits_1_2_4_or_8_processes():
     args = parse_args(["--preset", "smoke"])
     with torch.device("meta"):
         model = train_gpt.GPT.from_args(args)
-    assert [block.attn is None for block in model.blocks].count(True) == 1  # the attention-free block
+    # the attention-free block
+    assert [block.attn is None for block in model.blocks].count(True) == 1
     with_value_embeds = [i for i in range(len(model.blocks)) if model.value_embed_pattern[i] is not None]
-    assert 0 < len(with_value_embeds) < len(model.blocks) and len(model.skip_weights) >= 3  # U-net skips
+    # U-net skips
+    assert 0 < len(with_value_embeds) < len(model.blocks) and len(model.skip_weights) >= 3
     for world_size in (1, 2, 4, 8):
         micro, accum_steps, _ = train_gpt.micro_batch_plan(args, world_size)
         assert micro * accum_steps * world_size == args.batch_size
@@ -135,7 +145,8 @@ def test_windows_that_pass_the_check_hold_a_block_at_every_step(start, end):
 ])
 def test_batch_sizes_that_do_not_divide_among_the_processes_are_refused(tmp_path, capsys, monkeypatch,
                                                                          world_size, argv, words):
-    monkeypatch.setenv("WORLD_SIZE", world_size)  # as under torchrun, which also sets TORCHELASTIC_RUN_ID
+    # as under torchrun, which also sets TORCHELASTIC_RUN_ID
+    monkeypatch.setenv("WORLD_SIZE", world_size)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     argv = ["--preset", "smoke", "--log_dir", str(tmp_path / "logs"), *argv]
     check_hyperparameters(parse_args(argv))

@@ -1,5 +1,6 @@
-"""requirements.txt pins the triton that its pinned torch's Linux wheels require, under the same marker,
-so pip can satisfy both on a Linux GPU node and skips triton where torch does (macOS, Windows)."""
+"""requirements.txt pins the triton that its pinned torch's Linux wheels require, under the same
+marker, so pip can satisfy both on a Linux GPU node and skips triton where torch does (macOS,
+Windows)."""
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def pinned_version(req):
 
 
 def triton_pin_problem(text):
-    """None when the triton line matches the table's entry for the pinned torch, else what to fix."""
+    """None when the triton line matches the table's entry for the pinned torch, else what to
+    fix."""
     reqs = requirements(text)
     torch_version = pinned_version(reqs["torch"])
     if torch_version not in TORCH_TRITON:

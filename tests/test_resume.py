@@ -1,6 +1,6 @@
-"""Long runs survive interruption: a run stopped by a signal and resumed from its checkpoint ends with the val
-losses of the same run not interrupted (identical on 1 process, within 2e-3 across process counts), and a
-checkpoint that cannot continue the run is refused at start-up."""
+"""Long runs survive interruption: a run stopped by a signal and resumed from its checkpoint ends
+with the val losses of the same run not interrupted (identical on 1 process, within 2e-3 across
+process counts), and a checkpoint that cannot continue the run is refused at start-up."""
 import hashlib
 import os
 import re
@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Steps this small gain nothing from a second thread, and lose much when other processes share cores."""
+    """Steps this small gain nothing from a second thread, and lose much when other processes share
+    cores."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -38,7 +39,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def reference(markov_shards, tmp_path_factory, one_thread):
-    """The run not interrupted, in this process: its val losses and its checkpoints (every 4 steps)."""
+    """The run not interrupted, in this process: its val losses and its checkpoints (every 4
+    steps)."""
     log_dir = tmp_path_factory.mktemp("reference")
     assert train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4")) == 0
     log = finished_log(log_dir)
@@ -65,21 +67,25 @@ def stop_at(monkeypatch, at, *signals):
 def test_sigterm_on_one_process_stops_after_the_step_and_resumes_to_identical_losses(
         reference, markov_shards, tmp_path, capsys, monkeypatch):
     expected, _ = reference
-    stop_at(monkeypatch, 3, signal.SIGTERM, signal.SIGINT)  # torchrun forwards a second signal: no effect
+    # torchrun forwards a second signal: no effect
+    stop_at(monkeypatch, 3, signal.SIGTERM, signal.SIGINT)
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     args = tiny(markov_shards, tmp_path / "stopped", "--checkpoint_every", "1")
     assert train_gpt.main(args) == 128 + signal.SIGTERM
-    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # restored
+    # restored
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
     log = finished_log(tmp_path / "stopped")
     folder = log.parent / log.stem
     last = folder / "state_step000003.pt"
-    assert sorted(p.name for p in folder.iterdir()) == ["state_step000002.pt", last.name]  # the last two kept
+    # the last two kept
+    assert sorted(p.name for p in folder.iterdir()) == ["state_step000002.pt", last.name]
     stop_line = f"stopped by SIGTERM after step 3; resume with: python train_gpt.py --resume {last}"
     assert capsys.readouterr().err.splitlines()[-1] == stop_line
     text = log.read_text().splitlines()
     assert text[-1] == stop_line and text[-2].startswith("peak memory consumption: ")
     assert re.fullmatch(rf"checkpoint: {re.escape(str(last))}, \d+\.\d MiB in \d+\.\d s", text[-3])
-    assert step_lines(log)[0][-1].startswith("step:3/8 train_loss:")  # the parser takes the other lines
+    # the parser takes the other lines
+    assert step_lines(log)[0][-1].startswith("step:3/8 train_loss:")
     monkeypatch.undo()
     losses = resumed_losses(last, tmp_path / "resumed")
     assert losses == {step: loss for step, loss in expected.items() if step >= 4} and len(losses) == 3
@@ -187,7 +193,8 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
 
 
 def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, tmp_path):
-    """The final checkpoint, as if written by another version of the script: resumed, it only validates."""
+    """The final checkpoint, as if written by another version of the script: resumed, it only
+    validates."""
     expected, checkpoints = reference
     state = torch.load(checkpoints[-1])
     assert state["step"] == 8 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
@@ -202,7 +209,8 @@ def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, 
     assert val_losses(log) == {8: expected[8]}
 
 
-def flipped_byte(path, tmp_path):  # the middle of the file: tensor data (the embedding tables are most of it)
+# the middle of the file: tensor data (the embedding tables are most of it)
+def flipped_byte(path, tmp_path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
     (tmp_path / "flipped.pt").write_bytes(data)
@@ -230,7 +238,8 @@ def other_dict(path, tmp_path):  # torch.save's, but not a checkpoint of this tr
     (truncated, [], "(BadZipFile: File is not a zip file)"),
     (lambda path, tmp_path: tmp_path / "missing.pt", [], "(FileNotFoundError: "),
     (lambda path, tmp_path: tmp_path, [], "(IsADirectoryError: "),  # a folder without checkpoints
-    (lambda path, tmp_path: next(path.parent.parent.glob("*.txt")), [], "(BadZipFile: "),  # the run's log
+    # the run's log
+    (lambda path, tmp_path: next(path.parent.parent.glob("*.txt")), [], "(BadZipFile: "),
     (other_dict, [], "(KeyError: 'args')"),
 ])
 def test_a_checkpoint_that_cannot_continue_the_run_is_one_error_line(reference, markov_shards, tmp_path,

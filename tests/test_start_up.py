@@ -1,6 +1,6 @@
-"""The trainer starts without triton, and every input it cannot use ends in one `error:` line before step 1:
-token ids beyond the vocabulary, a shard in both train and val, a place it cannot write, a GPU that the
-installed torch cannot use."""
+"""The trainer starts without triton, and every input it cannot use ends in one `error:` line before
+step 1: token ids beyond the vocabulary, a shard in both train and val, a place it cannot write, a
+GPU that the installed torch cannot use."""
 import glob
 import os
 import subprocess
@@ -59,7 +59,8 @@ def test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss(
     out = result.stdout
     assert out.count("exit code") == 2 and out.rstrip().endswith("exit code 0"), result.stderr[-3000:]
     assert out.index("exit code 1") < out.index("step:")  # refused before any step
-    assert float(out.split("step:1/1 val_loss:")[1].split()[0]) < LN_VOCAB  # it trained: below the step-0 loss
+    # it trained: below the step-0 loss
+    assert float(out.split("step:1/1 val_loss:")[1].split()[0]) < LN_VOCAB
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr
     assert errors[0].startswith("error: --fused_head_loss must be auto or false: triton") and "Linux only" in errors[0]
@@ -71,7 +72,8 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_shard_and_position(
     tokens[[637, 900]] = 50304, 65535  # the first bad one is reported
     path = tmp_path / "bad_000001.bin"
     write_data_shard(path, tokens)
-    assert load_data_shard(path).tolist() == tokens.tolist()  # one argument: loaded unchecked, as before
+    # one argument: loaded unchecked, as before
+    assert load_data_shard(path).tolist() == tokens.tolist()
     assert load_data_shard(path, 65536).tolist() == tokens.tolist()
     with pytest.raises(UserError) as info:
         load_data_shard(path, 50304)
@@ -80,7 +82,8 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_shard_and_position(
 
 
 def tiny_shards(folder, split, bad_shard, bad_at=4321):
-    """Two 5,000-token shards of the Markov stream; shard bad_shard (1 or 2) holds id 50304 at bad_at."""
+    """Two 5,000-token shards of the Markov stream; shard bad_shard (1 or 2) holds id 50304 at
+    bad_at."""
     for k in (1, 2):
         tokens = markov_stream(5000, seed=k)
         if k == bad_shard:
@@ -103,7 +106,8 @@ def test_a_bad_token_id_in_the_first_train_shard_or_any_val_shard_stops_before_s
 def test_a_later_train_shard_with_a_bad_token_id_fails_when_the_loader_reaches_it(tmp_path):
     pattern = tiny_shards(tmp_path, "train", bad_shard=2, bad_at=5)
     loader = DistributedDataLoader(pattern, 0, 1, torch.device("cpu"), vocab_size=50304)
-    firsts = [loader.next_batch(1000)[0][0].item() for _ in range(4)]  # shard 1 holds 4 batches of 1,000 (+ 2)
+    # shard 1 holds 4 batches of 1,000 (+ 2)
+    firsts = [loader.next_batch(1000)[0][0].item() for _ in range(4)]
     assert firsts == markov_stream(5000, seed=1)[0:4000:1000].tolist()
     with pytest.raises(UserError, match="t_train_000002.bin: token id 50304 at position 5 is not below"):
         loader.next_batch(1000)
@@ -131,7 +135,8 @@ def test_a_place_that_cannot_be_written_is_one_line_before_the_model_is_built(
     place = place.format(file=tmp_path / "a_file")
     monkeypatch.setattr(train_gpt, "build_model", lambda *args: pytest.fail("the model was built"))
     shards = ["--train_files", markov_shards[0], "--val_files", markov_shards[1]] * (data == "shards")
-    compile_on = ["--compile", "true"] * (option == "--compile_cache")  # the cache is only used when compiling
+    # the cache is only used when compiling
+    compile_on = ["--compile", "true"] * (option == "--compile_cache")
     err = run_main(capsys, *TINY_RUN, *shards, *compile_on, "--log_dir", str(tmp_path / "logs"), option, place)
     assert err.startswith(f"error: {option}: cannot make or write to ") and err.count("\n") == 1
 
