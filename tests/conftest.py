@@ -33,7 +33,8 @@ def markov_shards(tmp_path_factory):
     tokens)."""
     folder = tmp_path_factory.mktemp("markov")
     for k in (1, 2):
-        train_gpt.write_data_shard(folder / f"markov_train_{k:06d}.bin", markov_stream(60_000, seed=k))
+        tokens = markov_stream(60_000, seed=k)
+        train_gpt.write_data_shard(folder / f"markov_train_{k:06d}.bin", tokens)
     val = markov_stream(20_000, seed=0)
     train_gpt.write_data_shard(folder / "markov_val_000000.bin", val)
     return str(folder / "markov_train_*.bin"), str(folder / "markov_val_*.bin"), val

@@ -3,6 +3,7 @@ FAIL_AT (the exception a GPU raises, which the trainer turns into its one-line e
 goes on into the step's all-gather with it.
 
 Run by tests/test_launch.py, through run.sh: `... fail_worker.py FAIL_AT TRAINER_OPTIONS...`."""
+import os
 import sys
 
 import torch

@@ -36,9 +36,9 @@ os.environ.update(MALLOC_KEEP)
 for name, option in MALLOPT.items():
     ctypes.CDLL(None).mallopt(option, int(MALLOC_KEEP[name]))
 
-# The environment of every process the tests start, as it was at session start, without torchrun's
-# variables: an in-process test that sets WORLD_SIZE (monkeypatch) while a background run starts must
-# not reach that run.
+# The environment of every process the tests start, as it was at session start, without
+# torchrun's variables: an in-process test that sets WORLD_SIZE (monkeypatch) while a background run
+# starts must not reach that run.
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                     "MASTER_PORT", "GROUP_RANK", "ROLE_RANK")
 SESSION_ENV = {name: value for name, value in os.environ.items()
@@ -57,7 +57,7 @@ def worker_env(**extra):
     return launch_env(PYTHONPATH=path, **extra)
 
 
-# --- processes: each in a process group of its own, killed whole when its test or the session ends ---
+# --- processes: each in a group of its own, killed whole when its test or the session ends ---
 
 LIVE_GROUPS = set()
 LIVE_LOCK = threading.Lock()
@@ -203,7 +203,7 @@ def corrupt(path, how):
     path.write_bytes(bytes(data))
 
 
-# --- small runs, and main() as users meet it --------------------------------------------------------
+# --- small runs, and main() as users meet it ------------------------------------------------------
 
 # one step of one 128-token sequence, validated after it
 TINY_RUN = ["--preset", "smoke", "--num_iterations", "1", "--val_loss_every", "0", "--batch_size",
@@ -239,7 +239,7 @@ def smoke_on(tmp_path, markov_shards, *argv, train=None, val=None):
     return code, log_dir
 
 
-# --- the trainer's log ------------------------------------------------------------------------------
+# --- the trainer's log ----------------------------------------------------------------------------
 
 SOURCE = (REPO / "train_gpt.py").read_text()
 VAL_LINE = re.compile(
@@ -286,7 +286,7 @@ def val_losses(log_path):
     return losses
 
 
-# --- smoke runs shared by the tests, on the background queue ----------------------------------------
+# --- smoke runs shared by the tests, on the background queue --------------------------------------
 
 def smoke_marked(*runs):
     """A `background` mark launching SmokeRuns' runs, each (method name, args...), at session

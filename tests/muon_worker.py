@@ -2,6 +2,7 @@
 
 Run by tests/test_muon.py through torchrun with 2 or 3 processes, the way the trainer itself is
 launched; the test runs train() in its own process for the single-process result."""
+import os
 import sys
 
 import torch
@@ -9,8 +10,8 @@ import torch.distributed as dist
 
 from train_gpt import Muon
 
-# stacked as 5 of (32, 48), tall ones transposed: shares 3+2 on 2 ranks, 2+2+1 on 3; one (16, 48) and
-# two (24, 24): fewer matrices than ranks, so some ranks send only padding
+# stacked as 5 of (32, 48), tall ones transposed: shares 3+2 on 2 ranks, 2+2+1 on 3; one (16, 48)
+# and two (24, 24): fewer matrices than ranks, so some ranks send only padding
 SHAPES = [(32, 48), (48, 32), (32, 48), (32, 48), (48, 32), (48, 16), (24, 24), (24, 24)]
 STEPS = 3
 

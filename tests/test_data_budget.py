@@ -63,7 +63,8 @@ def test_val_tokens_beyond_the_val_shards_fail_before_step_one(tmp_path, capsys,
     # smoke: 8 batches of 512 need 4,098
     write_data_shard(tmp_path / "v_val_000000.bin", np.arange(4097))
     err = run_main(capsys, "--preset", "smoke", "--train_files", markov_shards[0],
-                   "--val_files", str(tmp_path / "v_val_*.bin"), "--log_dir", str(tmp_path / "logs"))
+                   "--val_files", str(tmp_path / "v_val_*.bin"),
+                   "--log_dir", str(tmp_path / "logs"))
     assert "--val_tokens 4,096" in err and "4,097 tokens" in err and "3,584" in err
     assert not (tmp_path / "logs").exists()
 

@@ -53,7 +53,8 @@ def run_among_user_files(markov_shards, tmp_path_factory):
     cache = log_dir / "compile.cache"
     stale = [temp_name(other_run / "state_step000004.pt", dead), temp_name(cache, dead),
              temp_name(log_dir / "synthetic-seed0" / "synthetic_train_000001.bin", dead)]
-    # owned by a live process, by another machine's process, unstamped, or not a name the trainer writes
+    # owned by a live process, by another machine's process, unstamped, or not a name the trainer
+    # writes
     kept = [temp_name(other_run / "state_step000005.pt", os.getppid()),
             temp_name(other_run / "state_step000006.pt", dead, host=f"not-{HOST}"),
             other_run / "state_step000007.pt.tmp", temp_name(other_run / "notes.txt", dead),
@@ -66,7 +67,8 @@ def run_among_user_files(markov_shards, tmp_path_factory):
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train_gpt.uuid, "uuid4", lambda: run_id)
-        code = train_gpt.main(tiny(markov_shards, log_dir, "--num_iterations", "3", "--val_loss_every", "0",
+        code = train_gpt.main(tiny(markov_shards, log_dir, "--num_iterations", "3",
+                                   "--val_loss_every", "0",
                                    "--checkpoint_every", "1", "--compile_cache", str(cache)))
     torch.set_num_threads(threads)
     assert code == 0
@@ -89,7 +91,8 @@ def test_stale_temp_files_are_removed_only_when_the_trainer_wrote_them_and_their
     assert not any(os.path.exists(path) for path in planted["stale"])
     for path in planted["kept"]:
         assert open(path).read() == f"{path}: a user's\n"
-    line = next(line for line in finished_log(log_dir).read_text().splitlines() if line.startswith("removed "))
+    lines = finished_log(log_dir).read_text().splitlines()
+    line = next(line for line in lines if line.startswith("removed "))
     assert line.startswith("removed 3 temp files of interrupted writes: ")
     assert all(str(path) in line for path in planted["stale"])
 
@@ -100,7 +103,8 @@ def small_filesystem(tmp_path):
     each."""
     folder = tmp_path / "small"
     folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(folder)], capture_output=True)
+    mount = ["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(folder)]
+    mounted = subprocess.run(mount, capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small filesystem here: {mounted.stderr.decode().strip()}")
     yield folder
@@ -133,24 +137,30 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_
     log_dir = small_filesystem / "logs"
     at_step(monkeypatch, {3: lambda: fill(small_filesystem, 256 * 1024),
                           4: lambda: signal.raise_signal(signal.SIGTERM)})
-    code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "1", "--val_loss_every", "0"))
+    code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "1",
+                               "--val_loss_every", "0"))
     assert code == 128 + signal.SIGTERM
     log = finished_log(log_dir)
     folder = log_dir / log.stem
-    assert sorted(p.name for p in folder.iterdir()) == ["state_step000001.pt", "state_step000002.pt"]
+    kept = ["state_step000001.pt", "state_step000002.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == kept
     size = (folder / "state_step000002.pt").stat().st_size / 2 ** 20
     err = capsys.readouterr().err.splitlines()
     lines = log.read_text().splitlines()
     for step in (3, 4):
-        warning = next(line for line in lines if line.startswith(f"warning: the checkpoint of step {step} "))
-        assert warning in err and "could not be written (No space left on device: it needs " in warning
+        start = f"warning: the checkpoint of step {step} "
+        warning = next(line for line in lines if line.startswith(start))
+        assert warning in err
+        assert "could not be written (No space left on device: it needs " in warning
         assert warning.endswith(f"; the last one, {folder / 'state_step000002.pt'}, stays")
         needed = float(re.search(r"it needs (\d+\.\d) MiB", warning)[1])
         assert abs(needed - size) < 0.01 * size, (needed, size)
     assert "step:4/8 train_loss:" in "\n".join(lines)  # trained on after the failed checkpoint
     stop_line = lines[-1]
-    assert stop_line == err[-1] and stop_line.startswith("stopped by SIGTERM after step 4; its checkpoint could not")
-    assert stop_line.endswith(f" --resume {folder / 'state_step000002.pt'}") and "from step 2" in stop_line
+    assert stop_line == err[-1]
+    assert stop_line.startswith("stopped by SIGTERM after step 4; its checkpoint could not")
+    assert stop_line.endswith(f" --resume {folder / 'state_step000002.pt'}")
+    assert "from step 2" in stop_line
     torch.load(folder / "state_step000002.pt")  # whole
 
 
@@ -171,14 +181,16 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoi
     full = os.open("/dev/full", os.O_WRONLY)
     at_step(monkeypatch, {2: lambda: os.dup2(full, log_fd(tmp_path))})
     try:
-        code = train_gpt.main(tiny(markov_shards, tmp_path, "--checkpoint_every", "2", "--val_loss_every", "0"))
+        code = train_gpt.main(tiny(markov_shards, tmp_path, "--checkpoint_every", "2",
+                                   "--val_loss_every", "0"))
     finally:
         os.close(full)
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
     log = finished_log(tmp_path)
     checkpoint = tmp_path / log.stem / "state_step000003.pt"  # written at the stop
-    assert err.startswith(f"error: cannot write to the log {log} (No space left on device): stopped after step 3; ")
+    no_space = f"error: cannot write to the log {log} (No space left on device)"
+    assert err.startswith(f"{no_space}: stopped after step 3; ")
     assert err.rstrip().endswith(f" --resume {checkpoint}")
     # all it could write, kept
     assert log.read_text().splitlines()[-1].startswith("step:2/8 train_loss:")
@@ -186,15 +198,17 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoi
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/full is Linux's")
-def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards, tmp_path, capsys, monkeypatch):
+def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards, tmp_path, capsys,
+                                                                 monkeypatch):
     run_id = uuid.UUID(int=3)
     (tmp_path / f"{run_id}.txt").symlink_to("/dev/full")
     monkeypatch.setattr(train_gpt.uuid, "uuid4", lambda: run_id)
     monkeypatch.setattr(train_gpt, "build_model", lambda *args: pytest.fail("the model was built"))
     assert train_gpt.main(tiny(markov_shards, tmp_path)) == 1
     err = capsys.readouterr().err
-    assert err == f"error: cannot write to the log {tmp_path / f'{run_id}.txt'} (No space left on device): " \
-                  "free some space or pick another --log_dir\n"
+    log = tmp_path / f"{run_id}.txt"
+    assert err == (f"error: cannot write to the log {log} (No space left on device): "
+                   "free some space or pick another --log_dir\n")
 
 
 def run_with_a_failing_log(tmp_path_factory, markov_shards):
@@ -208,7 +222,8 @@ def run_with_a_failing_log(tmp_path_factory, markov_shards):
 
 
 def log_full_on_two_processes(request):
-    factory, shards = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("markov_shards")
+    factory = request.getfixturevalue("tmp_path_factory")
+    shards = request.getfixturevalue("markov_shards")
     return BACKGROUND.once("log_full", run_with_a_failing_log, factory, shards)
 
 
@@ -222,7 +237,8 @@ def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(re
     log = finished_log(log_dir)
     checkpoint = log_dir / log.stem / "state_step000004.pt"
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: cannot write to the log {log} (No space left on device): stopped after step 4; "
+    no_space = f"error: cannot write to the log {log} (No space left on device)"
+    assert errors == [f"{no_space}: stopped after step 4; "
                       "resume with: torchrun --standalone --nproc_per_node=2 train_gpt.py --resume "
                       f"{checkpoint}"], result.stderr[-3000:]
     # no worker's traceback

@@ -52,11 +52,14 @@ def test_two_processes_give_the_same_validation_losses_as_one(smoke_runs):
 def test_smoke_run_with_no_data_named_learns_its_synthetic_markov_chain(smoke_runs):
     log = smoke_runs.full()
     _, rest = step_lines(log)
-    assert any(line.startswith("data: synthetic Markov-chain documents (seed 0), no download needed") for line in rest)
+    synthetic = "data: synthetic Markov-chain documents (seed 0), no download needed"
+    assert any(line.startswith(synthetic) for line in rest)
     losses = val_losses(log)
     # the val tokens it wrote, read here as plain numbers past the 1024-byte header
-    val = np.fromfile(log.parent / "synthetic-seed0" / "synthetic_val_000000.bin", dtype="<u2", offset=1024)
-    assert len(val) >= 1024 and val[0] == 50256 and val.max() == 50256 and val[val != 50256].max() < 256
+    val_shard = log.parent / "synthetic-seed0" / "synthetic_val_000000.bin"
+    val = np.fromfile(val_shard, dtype="<u2", offset=1024)
+    assert len(val) >= 1024 and val[0] == 50256 and val.max() == 50256
+    assert val[val != 50256].max() < 256
     entropy = unigram_entropy(val.astype(np.int64))
     final = losses[max(losses)]
     assert losses[0] == round(LN_VOCAB, 4)
@@ -75,7 +78,8 @@ def test_checkpoint_is_the_final_model_and_reproduces_the_final_val_loss(smoke_r
     log = smoke_runs.short(1)
     (checkpoint,) = log.parent.glob(f"{log.stem}/state_step000004.pt")
     state = torch.load(checkpoint)
-    assert state["step"] == 4 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
+    assert state["step"] == 4
+    assert state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
     args = train_gpt.Hyperparameters(**state["args"])
     model = train_gpt.GPT.from_args(args)
     model.load_state_dict(state["model"])

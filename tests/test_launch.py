@@ -34,7 +34,8 @@ needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees 
     {"RANK": "1"}, {"WORLD_SIZE": "2"}, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"},
     {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"},
 ])
-def test_torchrun_variables_left_in_a_shell_are_one_line_naming_them(leftovers, tmp_path, capsys, monkeypatch):
+def test_torchrun_variables_left_in_a_shell_are_one_line_naming_them(leftovers, tmp_path, capsys,
+                                                                     monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     for name, value in leftovers.items():
         monkeypatch.setenv(name, value)
@@ -42,8 +43,10 @@ def test_torchrun_variables_left_in_a_shell_are_one_line_naming_them(leftovers, 
     assert train_gpt.main([*TINY_RUN, "--log_dir", str(tmp_path / "logs")]) == 1
     err = capsys.readouterr().err
     settings = " ".join(f"{name}={value}" for name, value in leftovers.items())
-    assert err.startswith(f"error: {settings} set in the environment, but this process was not started by torchrun")
-    assert f"`unset {' '.join(leftovers)}`" in err and "./run.sh or torchrun" in err and err.count("\n") == 1
+    not_torchrun = "set in the environment, but this process was not started by torchrun"
+    assert err.startswith(f"error: {settings} {not_torchrun}")
+    assert f"`unset {' '.join(leftovers)}`" in err and "./run.sh or torchrun" in err
+    assert err.count("\n") == 1
     assert not (tmp_path / "logs").exists()
 
 
@@ -85,17 +88,21 @@ def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for
     assert result.stderr.startswith(f"error: {settings} set in the environment")
 
 
-# the first rank of each node, and only it, says that a checkpoint is missing: on several nodes only global rank 0's
+# the first rank of each node, and only it, says that a checkpoint is missing: on several nodes only
+# global rank 0's
 # node has the checkpoints, and a node without them says so on its own console
 @pytest.mark.parametrize("rank,local_rank,prints", [(2, 0, True), (3, 1, False), (0, 0, True)])
-def test_a_missing_resume_file_is_named_on_each_node(rank, local_rank, prints, tmp_path, capsys, monkeypatch):
-    launched = dict(TORCHELASTIC_RUN_ID="test", RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2)
+def test_a_missing_resume_file_is_named_on_each_node(rank, local_rank, prints, tmp_path, capsys,
+                                                     monkeypatch):
+    launched = dict(TORCHELASTIC_RUN_ID="test", RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=4,
+                    LOCAL_WORLD_SIZE=2)
     for name, value in launched.items():
         monkeypatch.setenv(name, str(value))
     missing = tmp_path / "state_step000800.pt"
     assert train_gpt.main(["--resume", str(missing), "--log_dir", str(tmp_path / "logs")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --resume {str(missing)!r} ") == prints and err.count("\n") == prints
+    assert err.startswith(f"error: --resume {str(missing)!r} ") == prints
+    assert err.count("\n") == prints
 
 
 def test_the_resume_command_pastes_as_the_run_was_launched(tmp_path, monkeypatch):
@@ -135,7 +142,7 @@ def test_nvidia_smi_runs_once_a_run_with_a_time_limit(tmp_path, monkeypatch):
     assert "hyperparameters:" in lines  # the rest of the header follows
 
 
-# run.sh -----------------------------------------------------------------------------------------------------
+# run.sh -------------------------------------------------------------------------------------------
 
 def stand_in(folder, name, code):
     """An executable `name` in folder: Python code run by this interpreter."""
@@ -154,7 +161,8 @@ else:
     sys.exit(9)
 """
 
-# python for run.sh: asked for the GPU count, $GPUS (without importing torch: quicker); otherwise this
+# python for run.sh: asked for the GPU count, $GPUS (without importing torch: quicker); otherwise
+# this
 # interpreter, with train_gpt.py replaced by $RUN_SH_SCRIPT if set (a worker that fails or stops)
 PYTHON = """import os, shlex, sys
 if "torch.cuda.device_count()" in " ".join(sys.argv):
@@ -197,11 +205,13 @@ def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visib
     lines = result.stderr.splitlines()
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     if says == "trainer":
-        assert lines[-1].startswith(f"error: torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU "
-                                    "only) cannot use the 2 x NVIDIA H100 80GB HBM3 nvidia-smi lists")
+        this_torch = f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only)"
+        listed = "the 2 x NVIDIA H100 80GB HBM3 nvidia-smi lists"
+        assert lines[-1].startswith(f"error: {this_torch} cannot use {listed}")
         assert "no CUDA GPU visible" not in result.stderr
     else:
-        assert lines[-2:] == ["run.sh: no CUDA GPU visible. For a CPU smoke run (under a minute), see README.md:",
+        no_gpu = "run.sh: no CUDA GPU visible. For a CPU smoke run (under a minute), see README.md:"
+        assert lines[-2:] == [no_gpu,
                               "  python train_gpt.py --preset smoke"]
     assert not (tmp_path / "logs").exists()
 
@@ -214,7 +224,8 @@ def failing_rank_under_run_sh(request):
 
     def run():
         worker = f"{shlex.quote(str(REPO / 'tests' / 'fail_worker.py'))} 1"
-        env = run_sh_env(tmp / "bin", 2, RUN_SH_SCRIPT=worker, PYTHONPATH=worker_env()["PYTHONPATH"])
+        env = run_sh_env(tmp / "bin", 2, RUN_SH_SCRIPT=worker,
+                         PYTHONPATH=worker_env()["PYTHONPATH"])
         options = tiny(shards, tmp / "logs", "--val_loss_every", "0")
         result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
         return tmp / "logs", result
@@ -226,19 +237,21 @@ def failing_rank_under_run_sh(request):
 @pytest.mark.background.with_args(failing_rank_under_run_sh)
 def test_under_run_sh_a_failing_rank_leaves_its_error_last_on_screen_and_in_rank_zeros_log(request):
     log_dir, result = failing_rank_under_run_sh(request).result()
-    out_of_memory = ("error: out of GPU memory with micro-batches of 128 tokens: pass --max_device_batch_size 64 "
+    out_of_memory = ("error: out of GPU memory with micro-batches of 128 tokens: "
+                     "pass --max_device_batch_size 64 "
                      "(half usually fits; the global batch and the maths stay the same)")
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == out_of_memory, result.stderr[-3000:]
-    # torchrun's own traceback and report are gone; rank 0's traceback (its all-gather lost its peer) stays
+    # torchrun's own traceback and report are gone; rank 0's traceback (its all-gather lost its
+    # peer) stays
     assert "ChildFailedError" not in result.stderr and "Root Cause" not in result.stderr
     assert "torch/distributed/run.py\", line" not in result.stderr
     # rank 0 printed nothing about it, but its log has the cause
     assert f"rank 1: {out_of_memory}" in finished_log(log_dir).read_text().splitlines()
 
 
-# a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports how
-# it started, in a file of its own (rank.RANK, renamed into place once written)
+# a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports
+# how it started, in a file of its own (rank.RANK, renamed into place once written)
 STOPPING_WORKER = """import os, signal, sys, time
 stops = []
 def on_signal(signum, frame):
@@ -248,7 +261,8 @@ for signum in [signal.SIGTERM] + [signal.SIGHUP] * (not hangups_ignored):
     signal.signal(signum, on_signal)
 report = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank." + os.environ["RANK"])
 with open(report + ".tmp", "w") as f:
-    print(os.environ["RANK"], hangups_ignored, os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), file=f)
+    timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    print(os.environ["RANK"], hangups_ignored, timeout, file=f)
 os.replace(report + ".tmp", report)
 while not stops:
     time.sleep(0.01)
@@ -299,7 +313,7 @@ def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(reque
     assert err.splitlines()[-1] == "stopped by SIGTERM" and "Traceback" not in err
 
 
-# a console that goes away ----------------------------------------------------------------------------------
+# a console that goes away -------------------------------------------------------------------------
 
 def test_a_console_that_goes_away_does_not_end_the_run(markov_shards, tmp_path, monkeypatch):
     """The trainer, in this process as `python train_gpt.py` runs it, its stdout a pipe whose reader
@@ -332,13 +346,15 @@ def test_once_the_console_has_gone_any_later_print_to_it_goes_nowhere():
 def test_rank_zero_logs_another_ranks_last_line_while_its_own_main_thread_is_stuck(monkeypatch):
     """As torchrun's store would carry it; here this test's own store, and a log that is a list."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    launched = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_RUN_ID="test")
+    launched = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                    TORCHELASTIC_RUN_ID="test")
     for name, value in launched.items():
         monkeypatch.setenv(name, value)
     lines = []
     peers = train_gpt.PeerErrors(lambda line, console: lines.append(line))
     train_gpt.post_to_rank_zero("rank 3: error: out of GPU memory")
-    # this thread only waits, as rank 0's would in a collective with a dead rank: the watch writes the line
+    # this thread only waits, as rank 0's would in a collective with a dead rank: the watch writes
+    # the line
     deadline = time.monotonic() + 10
     while not lines and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -18,8 +18,8 @@ from train_gpt import build_dense_mask
 
 SEQ = 4 * BLOCK_SIZE
 WINDOWS = range(1, 15)  # 1 to 14 blocks, the trainer's schedule
-SORTS = {"sort", "argsort", "msort", "topk", "kthvalue", "median", "nanmedian", "mode", "unique", "unique_consecutive",
-         "_unique", "_unique2", "unique_dim"}
+SORTS = {"sort", "argsort", "msort", "topk", "kthvalue", "median", "nanmedian", "mode", "unique",
+         "unique_consecutive", "_unique", "_unique2", "unique_dim"}
 
 
 def reference_mask(tokens, window_blocks):
@@ -71,10 +71,14 @@ def test_window_change_keeps_the_same_mask_shapes():
     for side in ("kv", "full_kv", "q", "full_q"):
         for name in (f"{side}_num_blocks", f"{side}_indices"):
             assert getattr(narrow, name).shape == getattr(wide, name).shape, name
-    assert narrow.kv_num_blocks.sum() + narrow.full_kv_num_blocks.sum() < wide.kv_num_blocks.sum() + wide.full_kv_num_blocks.sum()
+    assert (
+        narrow.kv_num_blocks.sum() + narrow.full_kv_num_blocks.sum()
+        < wide.kv_num_blocks.sum() + wide.full_kv_num_blocks.sum()
+    )
 
 
 # --- the block lists against block pairs derived from the token pairs, lengths 1,024 to 16,384 ---
+
 
 def long_layout(name, length, seed=0):
     """`length` tokens with documents laid out as `name` (EOT leads each document)."""
@@ -93,20 +97,38 @@ def long_layout(name, length, seed=0):
         "on_block_edges": torch.arange(0, length, BLOCK_SIZE * 3),  # documents of exactly 3 blocks
         "every_block_edge": torch.arange(0, length, BLOCK_SIZE),  # one document per block
         # a block's last token
-        "on_last_tokens": torch.cat([torch.arange(BLOCK_SIZE - 1, length, BLOCK_SIZE * 2),
-                                     # opens a document, the sequence's last too
-                                     torch.tensor([length - 1])]),
-        "mixed": torch.cat([anywhere(3), torch.randint(0, length // 4, (length // 40,), generator=gen),
-                            # short ones, then long ones
-                            torch.arange(length // 2, length, BLOCK_SIZE * 5)]),
+        "on_last_tokens": torch.cat(
+            [
+                torch.arange(BLOCK_SIZE - 1, length, BLOCK_SIZE * 2),
+                # opens a document, the sequence's last too
+                torch.tensor([length - 1]),
+            ]
+        ),
+        "mixed": torch.cat(
+            [
+                anywhere(3),
+                torch.randint(0, length // 4, (length // 40,), generator=gen),
+                # short ones, then long ones
+                torch.arange(length // 2, length, BLOCK_SIZE * 5),
+            ]
+        ),
         "random": anywhere(int(torch.randint(1, length // 8, (1,), generator=gen))),
     }[name]
     tokens[starts] = EOT
     return tokens
 
 
-LONG_LAYOUTS = ["one_document", "mid_document_start", "short_docs", "long_docs", "on_block_edges",
-                "every_block_edge", "on_last_tokens", "mixed", "random"]
+LONG_LAYOUTS = [
+    "one_document",
+    "mid_document_start",
+    "short_docs",
+    "long_docs",
+    "on_block_edges",
+    "every_block_edge",
+    "on_last_tokens",
+    "mixed",
+    "random",
+]
 
 
 def reference_block_pairs(tokens):
@@ -117,11 +139,16 @@ def reference_block_pairs(tokens):
     docs = (tokens == EOT).cumsum(0, dtype=torch.int32).view(-1, BLOCK_SIZE)
     pos = torch.arange(len(tokens), dtype=torch.int32).view(-1, BLOCK_SIZE)
     n = len(docs)
-    any_allowed, all_allowed = torch.zeros(n, n, dtype=torch.bool), torch.zeros(n, n, dtype=torch.bool)
+    any_allowed, all_allowed = (
+        torch.zeros(n, n, dtype=torch.bool),
+        torch.zeros(n, n, dtype=torch.bool),
+    )
     # q-block = kv-block + distance, every token pair of each
     for distance in range(min(n, max(WINDOWS))):
         q, kv = torch.arange(distance, n), torch.arange(n - distance)
-        allowed = ((pos[kv, None, :] <= pos[q, :, None]) & (docs[kv, None, :] == docs[q, :, None])).flatten(1)
+        allowed = (
+            (pos[kv, None, :] <= pos[q, :, None]) & (docs[kv, None, :] == docs[q, :, None])
+        ).flatten(1)
         any_allowed[q, kv], all_allowed[q, kv] = allowed.any(1), allowed.all(1)
     one_doc = docs.min(1).values == docs.max(1).values
     same_doc = one_doc[:, None] & one_doc[None, :] & (docs[:, None, 0] == docs[None, :, 0])
@@ -152,23 +179,41 @@ def listed(counts, indices):
     present = torch.arange(n)[None, :] < counts[:, None]
     rows = torch.arange(n)[:, None].expand(n, n)
     times = torch.zeros(n, n, dtype=torch.long)
-    return times.index_put_((rows[present], indices[present]), torch.ones(int(present.sum()), dtype=torch.long),
-                            accumulate=True)
+    return times.index_put_(
+        (rows[present], indices[present]),
+        torch.ones(int(present.sum()), dtype=torch.long),
+        accumulate=True,
+    )
 
 
 def assert_lists_match(mask, pairs, window, context):
     partial, full = reference_lists(pairs, window)
     n = len(partial)
-    assert mask.seq_lengths == (n * BLOCK_SIZE, n * BLOCK_SIZE) and mask.BLOCK_SIZE == (BLOCK_SIZE, BLOCK_SIZE)
+    assert mask.seq_lengths == (n * BLOCK_SIZE, n * BLOCK_SIZE) and mask.BLOCK_SIZE == (
+        BLOCK_SIZE,
+        BLOCK_SIZE,
+    )
     for side, expected_partial, expected_full in (("kv", partial, full), ("q", partial.T, full.T)):
         got_partial = listed(getattr(mask, f"{side}_num_blocks"), getattr(mask, f"{side}_indices"))
-        got_full = listed(getattr(mask, f"full_{side}_num_blocks"), getattr(mask, f"full_{side}_indices"))
-        assert torch.equal(got_partial, expected_partial.long()), f"{side}-side partial blocks, {context}"
+        got_full = listed(
+            getattr(mask, f"full_{side}_num_blocks"), getattr(mask, f"full_{side}_indices")
+        )
+        assert torch.equal(got_partial, expected_partial.long()), (
+            f"{side}-side partial blocks, {context}"
+        )
         assert torch.equal(got_full, expected_full.long()), f"{side}-side full blocks, {context}"
 
 
-@pytest.mark.parametrize("length", [1024, 2048, 3072, 4096, *(pytest.param(length, marks=pytest.mark.slow)
-                                                               for length in (8192, 16384))])
+@pytest.mark.parametrize(
+    "length",
+    [
+        1024,
+        2048,
+        3072,
+        4096,
+        *(pytest.param(length, marks=pytest.mark.slow) for length in (8192, 16384)),
+    ],
+)
 def test_block_lists_equal_the_token_level_blocks(length):
     for name in LONG_LAYOUTS:
         for seed in range(2 if length <= 4096 else 1):
@@ -188,20 +233,27 @@ def op_names(graph_module):
             names.add(node.target)
         elif node.op == "call_function":
             target = node.target
-            names.add(target._opname if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", ""))
+            names.add(
+                target._opname
+                if isinstance(target, torch._ops.OpOverload)
+                else getattr(target, "__name__", "")
+            )
     return names
 
 
 def test_the_documented_example_of_the_block_lists():
-    # listed_rows' docstring: five blocks, a window of 3; document 2 starts inside block 3. Read the full
-    # and partial blocks of each row off the token-level mask, then compare with the lists and the text.
+    # listed_rows' docstring: five blocks, a window of 3; document 2 starts inside block 3. Read the
+    # full and partial blocks of each row off the token-level mask, then compare with the lists and
+    # the text.
     tokens = torch.full((5 * BLOCK_SIZE,), 7)
     tokens[[0, 3 * BLOCK_SIZE + 50]] = EOT
     reference = reference_mask(tokens, 3)
     mask = build_block_mask(tokens, torch.tensor(3, dtype=torch.int32))
     documented = {2: ([0, 1], [2]), 3: ([], [1, 2, 3]), 4: ([], [3, 4])}
     for row, (full, partial) in documented.items():
-        blocks = reference[row * BLOCK_SIZE:(row + 1) * BLOCK_SIZE].view(BLOCK_SIZE, 5, BLOCK_SIZE)
+        blocks = reference[row * BLOCK_SIZE : (row + 1) * BLOCK_SIZE].view(
+            BLOCK_SIZE, 5, BLOCK_SIZE
+        )
         seen = [k for k in range(5) if blocks[:, k].any()]
         whole = [k for k in seen if blocks[:, k].all()]
         assert (whole, sorted(set(seen) - set(whole))) == (full, partial)
@@ -244,8 +296,9 @@ def attend(tokens, q, k, v, window_blocks):
 
 
 def random_qkv(length):
-    return [torch.randn(1, 2, length, 32, generator=torch.Generator().manual_seed(i))
-            for i in range(3)]
+    return [
+        torch.randn(1, 2, length, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -277,11 +330,14 @@ def test_compiled_mask_and_attention_hold_no_sort(compiled_attention):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,long", [(name, False) for name in LAYOUTS]
-                         + [(name, True) for name in LONG_LAYOUTS],
-                         ids=[*LAYOUTS, *(f"long_{name}" for name in LONG_LAYOUTS)])
+@pytest.mark.parametrize(
+    "name,long",
+    [(name, False) for name in LAYOUTS] + [(name, True) for name in LONG_LAYOUTS],
+    ids=[*LAYOUTS, *(f"long_{name}" for name in LONG_LAYOUTS)],
+)
 def test_compiled_mask_and_attention_match_the_token_by_token_definition_in_one_compile(
-        compiled_attention, name, long):
+    compiled_attention, name, long
+):
     """For every window, compiled in place (no recompilation as the window grows, nor for another
     layout): the block lists against the token-level blocks; for the short layouts' documents and
     the long mixed ones, the dense CPU mask against the token-by-token mask and attention through
@@ -304,6 +360,7 @@ def test_compiled_mask_and_attention_match_the_token_by_token_definition_in_one_
             dense = build_dense_mask(tokens, window_blocks)
             assert torch.equal(dense, expected_mask), f"dense mask differs, window {window}"
             expected = F.scaled_dot_product_attention(q, k, v, attn_mask=expected_mask)
-            torch.testing.assert_close(attention, expected, rtol=1e-5, atol=1e-5,
-                                       msg=f"window {window}")
+            torch.testing.assert_close(
+                attention, expected, rtol=1e-5, atol=1e-5, msg=f"window {window}"
+            )
     assert backend.frames == 1

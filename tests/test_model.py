@@ -17,7 +17,9 @@ def test_default_model_has_the_records_parameter_count():
     matrices = sum(p.numel() for p in model.blocks.parameters() if p.ndim == 2)
     scalars = sum(p.numel() for p in model.parameters() if p.ndim < 2)
     assert (matrices, scalars) == (82_575_360, 52)
-    assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
+    assert (
+        model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
+    )
 
 
 def test_block_seven_has_no_attention_and_value_embeddings_follow_012_pattern():
@@ -98,8 +100,8 @@ def test_regional_compile_traces_four_block_forms_and_the_head(monkeypatch, dyna
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
     torch._dynamo.reset()
     torch.manual_seed(0)
-    # 8 layers: blocks 0-2 and 5-6 with value embeddings, 3-4 without, 7 without attention; block 0's input
-    # is x0 itself, which Dynamo traces as a form of its own
+    # 8 layers: blocks 0-2 and 5-6 with value embeddings, 3-4 without, 7 without attention; block
+    # 0's input is x0 itself, which Dynamo traces as a form of its own
     model = GPT(1024, 8, 2, 64, bf16_embeds=False)
     for p in model.parameters():  # the zero-initialised projections would hide a skipped block
         torch.nn.init.normal_(p, std=0.05)
@@ -115,8 +117,16 @@ def test_regional_compile_traces_four_block_forms_and_the_head(monkeypatch, dyna
 
 def test_auto_options_are_on_with_cuda_and_off_on_a_cpu(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: no GPU needed
-    assert [train_gpt.switched_on(v, cuda) for v in ("auto", "true", "false")] == [True, True, False]
-    assert [train_gpt.switched_on(v, cpu) for v in ("auto", "true", "false")] == [False, True, False]
+    assert [train_gpt.switched_on(v, cuda) for v in ("auto", "true", "false")] == [
+        True,
+        True,
+        False,
+    ]
+    assert [train_gpt.switched_on(v, cpu) for v in ("auto", "true", "false")] == [
+        False,
+        True,
+        False,
+    ]
     # fused_head_loss is "auto" by default
     args = Hyperparameters(num_layers=6, num_heads=2, model_dim=64)
     with torch.device("meta"):
@@ -128,7 +138,9 @@ def test_auto_options_are_on_with_cuda_and_off_on_a_cpu(monkeypatch):
 
 
 @pytest.mark.slow
-def test_regional_compile_keeps_its_forms_compiled_and_never_falls_back_silently(dynamo_config_restored):
+def test_regional_compile_keeps_its_forms_compiled_and_never_falls_back_silently(
+    dynamo_config_restored,
+):
     """Training and evaluation trace 8 block forms, dynamo's default limit of graphs per function,
     past which it runs the function uncompiled without a word: compile_regions gives the limit
     headroom and makes a form past it an error."""

@@ -57,7 +57,9 @@ def relative_error(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128)], ids=["wide", "tall", "square"])
+@pytest.mark.parametrize(
+    "shape", [(64, 256), (256, 64), (128, 128)], ids=["wide", "tall", "square"]
+)
 def test_newton_schulz_matches_float64_iteration(shape):
     torch.manual_seed(0)
     G = torch.randn(shape)
@@ -90,9 +92,11 @@ def test_newton_schulz_ignores_the_scale_of_its_input():
 
 # --- Muon's batched step -----------------------------------------------------------------------
 
-# batches (3, 16, 40) (a tall matrix transposed into it) and (2, 24, 24); small, so inductor compiles fast
+# batches (3, 16, 40) (a tall matrix transposed into it) and (2, 24, 24); small, so inductor
+# compiles fast
 MIXED = [(16, 40), (40, 16), (16, 40), (24, 24), (24, 24)]
-# compiled: one stacked shape, one graph (each costs seconds of C++ compile on a CPU); eager covers two groups
+# compiled: one stacked shape, one graph (each costs seconds of C++ compile on a CPU); eager covers
+# two groups
 SHAPES_FOR = {False: MIXED, True: MIXED[:3]}
 
 
@@ -100,8 +104,9 @@ def aspect_scale(p):
     return max(1, p.shape[0] / p.shape[1]) ** 0.5
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
 def test_batched_step_gives_each_matrix_its_own_iteration(compiled):
     """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled
     alone."""
@@ -133,8 +138,9 @@ def muon_float64(params, grads_per_step, schedule, nesterov):
 
 
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
 def test_muon_step_matches_float64(compiled, nesterov):
     torch.manual_seed(4)
     shapes = SHAPES_FOR[compiled]
@@ -153,7 +159,8 @@ def test_muon_step_matches_float64(compiled, nesterov):
     reference = muon_float64(start, grads_per_step, schedule, nesterov)
     for p, p0, ref in zip(params, start, reference):
         assert relative_error(p.detach() - p0, ref - p0) < 0.05  # the steps taken, to bf16 accuracy
-    # the optimiser state is the momentum alone; the stacked and gather buffers stay outside checkpoints
+    # the optimiser state is the momentum alone; the stacked and gather buffers stay outside
+    # checkpoints
     state = muon.state_dict()["state"]
     assert len(state) == len(shapes) and all(set(s) == {"momentum_buffer"} for s in state.values())
 
@@ -166,9 +173,13 @@ WORKER = Path(__file__).with_name("muon_worker.py")
 def launch_worker(out_path, nproc):
     """The worker under torchrun with gloo, the way the trainer runs."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return start_process([sys.executable, *launcher, str(WORKER), str(out_path)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=worker_env(OMP_NUM_THREADS="1"))
+    return start_process(
+        [sys.executable, *launcher, str(WORKER), str(out_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=worker_env(OMP_NUM_THREADS="1"),
+    )
 
 
 def run_workers(out_dir, nprocs):

@@ -36,7 +36,9 @@ def test_optimizer_defaults_are_record_18s():
 def test_schedules_are_record_18s():
     args = parse_args([])
     assert args.num_iterations == 1390 and args.cooldown_frac == 0.4
-    assert [muon_momentum(s, args) for s in (0, 150, 300, 1000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
+    assert [muon_momentum(s, args) for s in (0, 150, 300, 1000)] == pytest.approx(
+        [0.85, 0.90, 0.95, 0.95]
+    )
     N = args.num_iterations
     # 1 - 834/1390 = 0.4: still flat
     assert lr_multiplier(0, args) == lr_multiplier(834, args) == 1.0
@@ -80,8 +82,10 @@ def test_compiled_newton_schulz_compiles_once_per_stacked_shape_and_computes_the
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("world_size, stacked", [(1, [(24, 768, 3072), (44, 768, 768)]),
-                                                 (8, [(3, 768, 3072), (6, 768, 768)])])
+@pytest.mark.parametrize(
+    "world_size, stacked",
+    [(1, [(24, 768, 3072), (44, 768, 768)]), (8, [(3, 768, 3072), (6, 768, 768)])],
+)
 def test_default_model_stacks_muon_matrices_in_two_batches(monkeypatch, world_size, stacked):
     """The 68 matrices (q, k, v, proj of 11 attention blocks; fc and proj of 12 MLPs): two graphs
     per rank."""
@@ -89,7 +93,11 @@ def test_default_model_stacks_muon_matrices_in_two_batches(monkeypatch, world_si
     args = parse_args([])
     with torch.device("meta"):  # shapes only, no memory
         model = GPT(args.vocab_size, args.num_layers, args.num_heads, args.model_dim)
-    muon = Muon([p for p in model.blocks.parameters() if p.ndim == 2], lr=args.muon_lr, momentum=args.muon_momentum)
+    muon = Muon(
+        [p for p in model.blocks.parameters() if p.ndim == 2],
+        lr=args.muon_lr,
+        momentum=args.muon_momentum,
+    )
     assert [tuple(x.shape) for x in muon.stacked] == stacked
 
 
@@ -98,11 +106,33 @@ def test_no_inductor_option_is_changed_unless_asked(monkeypatch, markov_shards, 
     """The compile branch of train(), with torch.compile made a no-op so that it costs nothing on a
     CPU."""
     from torch._inductor import config as inductor_config
+
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
-    run = ["--preset", "smoke", "--train_files", markov_shards[0], "--val_files", markov_shards[1],
-           "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "128", "--max_device_batch_size", "128",
-           "--val_tokens", "128",
-           "--compile", "true", "--log_dir", str(tmp_path)]
+    run = [
+        "--preset",
+        "smoke",
+        "--train_files",
+        markov_shards[0],
+        "--val_files",
+        markov_shards[1],
+        "--num_iterations",
+        "1",
+        "--val_loss_every",
+        "0",
+        "--batch_size",
+        "128",
+        "--max_device_batch_size",
+        "128",
+        "--val_tokens",
+        "128",
+        "--compile",
+        "true",
+        "--log_dir",
+        str(tmp_path),
+    ]
     assert train_gpt.main(run) == 0 and inductor_config.coordinate_descent_tuning is False
-    assert train_gpt.main(run + ["--compile_tuning", "true"]) == 0 and inductor_config.coordinate_descent_tuning
+    assert (
+        train_gpt.main(run + ["--compile_tuning", "true"]) == 0
+        and inductor_config.coordinate_descent_tuning
+    )

@@ -52,23 +52,51 @@ BAD = {
     "hellaswag_data": ["{folder}", "missing.jsonl"],
     "tokenizer": ["{folder}", "missing.tiktoken"],
 }
-# booleans: no value both parses and fails; parse_bool refuses anything but true/false words (exit code 2)
-NO_BAD_VALUE = {"allow_data_repeat", "bf16_embeds", "save_checkpoint", "compile_tuning", "regional_compile",
-                "hellaswag"}
+# booleans: no value both parses and fails; parse_bool refuses anything but true/false words (exit
+# code 2)
+NO_BAD_VALUE = {
+    "allow_data_repeat",
+    "bf16_embeds",
+    "save_checkpoint",
+    "compile_tuning",
+    "regional_compile",
+    "hellaswag",
+}
 
 # edge values that must pass, so that the checks are not too strict
 GOOD = {
-    "cooldown_frac": ["0", "1"], "adam_beta1": ["0"], "adam_beta2": ["0.999"], "muon_momentum_start": ["0"],
-    "muon_momentum": ["0"], "embed_lr": ["0"], "head_lr": ["0"], "scalar_lr": ["0"], "muon_lr": ["0"],
-    "adam_eps": ["1e-30"], "val_loss_every": ["0"], "muon_momentum_warmup_steps": ["0"],
-    "attention_free_layer": ["0", "100"], "window_start": ["128", "5000"], "window_end": ["128"],
-    "vocab_size": ["50257"], "num_layers": ["6"], "num_heads": ["1", "192"], "model_dim": ["24"],
-    "batch_size": ["128"], "max_device_batch_size": ["128", "65536"], "num_iterations": ["1"],
-    "val_tokens": ["65536"], "seed": [str(2 ** 64 - 1)], "compile": ["auto", "true", "false"],
+    "cooldown_frac": ["0", "1"],
+    "adam_beta1": ["0"],
+    "adam_beta2": ["0.999"],
+    "muon_momentum_start": ["0"],
+    "muon_momentum": ["0"],
+    "embed_lr": ["0"],
+    "head_lr": ["0"],
+    "scalar_lr": ["0"],
+    "muon_lr": ["0"],
+    "adam_eps": ["1e-30"],
+    "val_loss_every": ["0"],
+    "muon_momentum_warmup_steps": ["0"],
+    "attention_free_layer": ["0", "100"],
+    "window_start": ["128", "5000"],
+    "window_end": ["128"],
+    "vocab_size": ["50257"],
+    "num_layers": ["6"],
+    "num_heads": ["1", "192"],
+    "model_dim": ["24"],
+    "batch_size": ["128"],
+    "max_device_batch_size": ["128", "65536"],
+    "num_iterations": ["1"],
+    "val_tokens": ["65536"],
+    "seed": [str(2**64 - 1)],
+    "compile": ["auto", "true", "false"],
     # true needs triton
     "fused_head_loss": ["auto", "false"] + ["true"] * (train_gpt.triton is not None),
     "head_chunk_rows": ["0", "1"],
-    "compile_cache": ["", "cache.bin"], "log_dir": ["new/folder"], "hellaswag_data": [""], "tokenizer": [""],
+    "compile_cache": ["", "cache.bin"],
+    "log_dir": ["new/folder"],
+    "hellaswag_data": [""],
+    "tokenizer": [""],
 }
 
 
@@ -79,8 +107,12 @@ def test_every_option_has_bad_values_in_the_table():
     assert all(f.type is bool for f in fields(Hyperparameters) if f.name in NO_BAD_VALUE)
 
 
-@pytest.mark.parametrize("name,value", [(name, value) for name, values in BAD.items() for value in values])
-def test_a_value_that_cannot_work_is_one_error_line_naming_the_option(tmp_path, capsys, monkeypatch, name, value):
+@pytest.mark.parametrize(
+    "name,value", [(name, value) for name, values in BAD.items() for value in values]
+)
+def test_a_value_that_cannot_work_is_one_error_line_naming_the_option(
+    tmp_path, capsys, monkeypatch, name, value
+):
     # no data here: were a check missing, the run would still stop before a step
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a_file").write_text("")
@@ -117,7 +149,9 @@ def test_smoke_preset_uses_every_part_and_fits_1_2_4_or_8_processes():
         model = train_gpt.GPT.from_args(args)
     # the attention-free block
     assert [block.attn is None for block in model.blocks].count(True) == 1
-    with_value_embeds = [i for i in range(len(model.blocks)) if model.value_embed_pattern[i] is not None]
+    with_value_embeds = [
+        i for i in range(len(model.blocks)) if model.value_embed_pattern[i] is not None
+    ]
     # U-net skips
     assert 0 < len(with_value_embeds) < len(model.blocks) and len(model.skip_weights) >= 3
     for world_size in (1, 2, 4, 8):
@@ -132,19 +166,30 @@ def test_smoke_preset_uses_every_part_and_fits_1_2_4_or_8_processes():
 
 @pytest.mark.parametrize("start,end", [(128, 128), (128, 1856), (1856, 128), (200, 300)])
 def test_windows_that_pass_the_check_hold_a_block_at_every_step(start, end):
-    args = parse_args(["--window_start", str(start), "--window_end", str(end), "--num_iterations", "1390"])
+    args = parse_args(
+        ["--window_start", str(start), "--window_end", str(end), "--num_iterations", "1390"]
+    )
     check_hyperparameters(args)
     assert min(window_blocks_at(step, args) for step in range(args.num_iterations + 1)) >= 1
 
 
-# process-count checks (micro_batch_plan): the values pass check_hyperparameters, the process count does not
-@pytest.mark.parametrize("world_size,argv,words", [
-    ("3", ["--batch_size", "1024"], "does not divide among 3 processes"),
-    ("2", ["--max_device_batch_size", "384", "--val_tokens", "3072"], "micro-batches"),
-    ("2", ["--val_tokens", "4608"], "--val_tokens"),  # whole 512-token sequences, but not 2 x 512
-])
-def test_batch_sizes_that_do_not_divide_among_the_processes_are_refused(tmp_path, capsys, monkeypatch,
-                                                                         world_size, argv, words):
+# process-count checks (micro_batch_plan): the values pass check_hyperparameters, the process count
+# does not
+@pytest.mark.parametrize(
+    "world_size,argv,words",
+    [
+        ("3", ["--batch_size", "1024"], "does not divide among 3 processes"),
+        ("2", ["--max_device_batch_size", "384", "--val_tokens", "3072"], "micro-batches"),
+        (
+            "2",
+            ["--val_tokens", "4608"],
+            "--val_tokens",
+        ),  # whole 512-token sequences, but not 2 x 512
+    ],
+)
+def test_batch_sizes_that_do_not_divide_among_the_processes_are_refused(
+    tmp_path, capsys, monkeypatch, world_size, argv, words
+):
     # as under torchrun, which also sets TORCHELASTIC_RUN_ID
     monkeypatch.setenv("WORLD_SIZE", world_size)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")

@@ -88,23 +88,33 @@ def test_sigterm_on_one_process_stops_after_the_step_and_resumes_to_identical_lo
     assert step_lines(log)[0][-1].startswith("step:3/8 train_loss:")
     monkeypatch.undo()
     losses = resumed_losses(last, tmp_path / "resumed")
-    assert losses == {step: loss for step, loss in expected.items() if step >= 4} and len(losses) == 3
+    assert (
+        losses == {step: loss for step, loss in expected.items() if step >= 4} and len(losses) == 3
+    )
 
 
-def test_sigint_without_checkpoint_options_says_how_to_get_one(markov_shards, tmp_path, capsys, monkeypatch,
-                                                                one_thread):
+def test_sigint_without_checkpoint_options_says_how_to_get_one(
+    markov_shards, tmp_path, capsys, monkeypatch, one_thread
+):
     stop_at(monkeypatch, 1, signal.SIGINT)
-    assert train_gpt.main(tiny(markov_shards, tmp_path, "--val_loss_every", "0")) == 128 + signal.SIGINT
-    stop_line = ("stopped by SIGINT after step 1; no checkpoint was written (--checkpoint_every N or "
-                 "--save_checkpoint true write one)")
+    assert (
+        train_gpt.main(tiny(markov_shards, tmp_path, "--val_loss_every", "0"))
+        == 128 + signal.SIGINT
+    )
+    stop_line = (
+        "stopped by SIGINT after step 1; no checkpoint was written (--checkpoint_every N or "
+        "--save_checkpoint true write one)"
+    )
     assert capsys.readouterr().err.splitlines()[-1] == stop_line
     assert finished_log(tmp_path).read_text().splitlines()[-1] == stop_line
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # no checkpoint folder
 
 
-def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(markov_shards, tmp_path, capsys,
-                                                                          monkeypatch, one_thread):
+def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(
+    markov_shards, tmp_path, capsys, monkeypatch, one_thread
+):
     """What a closing ssh session sends; the run folder's name needs quoting in the command."""
+
     def hangup_not_handled(signum, frame):
         raise AssertionError("SIGHUP reached the handler the run started with")
 
@@ -113,7 +123,9 @@ def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(marko
     try:
         stop_at(monkeypatch, 1, signal.SIGHUP)
         log_dir = tmp_path / "Bob's runs"
-        code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4", "--val_loss_every", "0"))
+        code = train_gpt.main(
+            tiny(markov_shards, log_dir, "--checkpoint_every", "4", "--val_loss_every", "0")
+        )
     finally:
         restored = signal.signal(signal.SIGHUP, previous)
     assert code == 128 + signal.SIGHUP and restored is hangup_not_handled
@@ -126,11 +138,15 @@ def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(marko
     assert shlex.split(command) == ["python", script, "--resume", str(checkpoint)]
 
 
-def test_under_nohup_a_hang_up_does_not_stop_the_run(markov_shards, tmp_path, monkeypatch, one_thread):
+def test_under_nohup_a_hang_up_does_not_stop_the_run(
+    markov_shards, tmp_path, monkeypatch, one_thread
+):
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         stop_at(monkeypatch, 1, signal.SIGHUP)
-        code = train_gpt.main(tiny(markov_shards, tmp_path, "--num_iterations", "2", "--val_loss_every", "0"))
+        code = train_gpt.main(
+            tiny(markov_shards, tmp_path, "--num_iterations", "2", "--val_loss_every", "0")
+        )
     finally:
         signal.signal(signal.SIGHUP, previous)
     assert code == 0 and sorted(val_losses(finished_log(tmp_path))) == [2]
@@ -145,22 +161,33 @@ def stopped_under_torchrun(request):
     tmp = request.getfixturevalue("tmp_path_factory").mktemp("stopped_under_torchrun")
 
     def run():
-        uninterrupted = run_trainer(tiny(shards, tmp / "uninterrupted", "--checkpoint_every", "4"),
-                                    threads=1)
+        uninterrupted = run_trainer(
+            tiny(shards, tmp / "uninterrupted", "--checkpoint_every", "4"), threads=1
+        )
         assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
         log = finished_log(tmp / "uninterrupted")
         checkpoints = sorted((log.parent / log.stem).glob("state_step*.pt"))
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        command = [sys.executable, *launcher, str(REPO / "tests" / "stop_worker.py"), "5",
-                   "--resume", str(checkpoints[0]), "--log_dir", str(tmp / "2")]
+        command = [
+            sys.executable,
+            *launcher,
+            str(REPO / "tests" / "stop_worker.py"),
+            "5",
+            "--resume",
+            str(checkpoints[0]),
+            "--log_dir",
+            str(tmp / "2"),
+        ]
         result = run_process(command, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
         return tmp, log, checkpoints, result
+
     return BACKGROUND.once("stopped_under_torchrun", run)
 
 
 @pytest.mark.background.with_args(stopped_under_torchrun)
 def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_across_process_counts(
-        request, one_thread):
+    request, one_thread
+):
     """1 -> 2 -> 1 processes: the uninterrupted run's step-4 checkpoint resumed on 2 processes,
     which torchrun stops after step 6, then that checkpoint resumed on 1 process (here) to the
     end."""
@@ -173,8 +200,10 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
     assert 'train_gpt.py", line' not in result.stderr
     log = finished_log(tmp_path / "2")
     stopped = log.parent / log.stem / "state_step000006.pt"
-    stop_line = ("stopped by SIGTERM after step 6; resume with: torchrun --standalone --nproc_per_node=2 "
-                 f"train_gpt.py --resume {stopped}")
+    stop_line = (
+        "stopped by SIGTERM after step 6; resume with: torchrun --standalone --nproc_per_node=2 "
+        f"train_gpt.py --resume {stopped}"
+    )
     assert log.read_text().splitlines()[-1] == stop_line and stop_line in result.stderr.splitlines()
     # validation at the step resumed from; none at the stop
     assert val_losses(log) == {4: expected[4]}
@@ -182,7 +211,9 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
     momenta = torch.load(stopped)["muon"]
     with torch.device("meta"):
         model = train_gpt.GPT(50304, 6, 1, 16)
-    assert set(momenta) == {name for name, p in model.blocks.named_parameters(prefix="blocks") if p.ndim == 2}
+    assert set(momenta) == {
+        name for name, p in model.blocks.named_parameters(prefix="blocks") if p.ndim == 2
+    }
     losses = resumed_losses(stopped, tmp_path / "1")
     assert sorted(losses) == [6, 8]
     # the order of float sums differs with the process count
@@ -197,15 +228,33 @@ def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, 
     validates."""
     expected, checkpoints = reference
     state = torch.load(checkpoints[-1])
-    assert state["step"] == 8 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
+    assert (
+        state["step"] == 8 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
+    )
     torch.save(dict(state, source_sha256="0" * 64), tmp_path / "forked.pt")
-    assert train_gpt.main(["--resume", str(tmp_path / "forked.pt"), "--log_dir", str(tmp_path / "logs"),
-                           "--val_loss_every", "4"]) == 0
+    assert (
+        train_gpt.main(
+            [
+                "--resume",
+                str(tmp_path / "forked.pt"),
+                "--log_dir",
+                str(tmp_path / "logs"),
+                "--val_loss_every",
+                "4",
+            ]
+        )
+        == 0
+    )
     log = finished_log(tmp_path / "logs")
     lines = log.read_text().splitlines()
-    assert f"resumed from {tmp_path / 'forked.pt'} at step 8; options changed: --val_loss_every 2 -> 4, " \
-           f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines
-    assert "warning: resumed by another train_gpt.py than the one that wrote the checkpoint" in lines
+    assert (
+        f"resumed from {tmp_path / 'forked.pt'} at step 8; options changed: "
+        "--val_loss_every 2 -> 4, "
+        f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines
+    )
+    assert (
+        "warning: resumed by another train_gpt.py than the one that wrote the checkpoint" in lines
+    )
     assert val_losses(log) == {8: expected[8]}
 
 
@@ -227,27 +276,45 @@ def other_dict(path, tmp_path):  # torch.save's, but not a checkpoint of this tr
     return tmp_path / "weights.pt"
 
 
-@pytest.mark.parametrize("make_path,extra,words", [
-    (None, ["--num_layers", "8", "--model_dim", "32"], "--num_layers 6 -> 8, --model_dim 16 -> 32 would"),
-    (None, ["--batch_size", "512"], "--batch_size 256 -> 512 would change"),
-    (None, ["--num_iterations", "10"], "--num_iterations 8 -> 10 would change"),
-    (None, ["--train_files", "{shard}"],  # one of the two shards
-     "train shards (name:tokens) ['markov_train_000001.bin:60000', 'markov_train_000002.bin:60000'] -> "
-     "['markov_train_000001.bin:60000']"),
-    (flipped_byte, [], " fails its CRC check)"),
-    (truncated, [], "(BadZipFile: File is not a zip file)"),
-    (lambda path, tmp_path: tmp_path / "missing.pt", [], "(FileNotFoundError: "),
-    (lambda path, tmp_path: tmp_path, [], "(IsADirectoryError: "),  # a folder without checkpoints
-    # the run's log
-    (lambda path, tmp_path: next(path.parent.parent.glob("*.txt")), [], "(BadZipFile: "),
-    (other_dict, [], "(KeyError: 'args')"),
-])
-def test_a_checkpoint_that_cannot_continue_the_run_is_one_error_line(reference, markov_shards, tmp_path,
-                                                                    capsys, make_path, extra, words):
+@pytest.mark.parametrize(
+    "make_path,extra,words",
+    [
+        (
+            None,
+            ["--num_layers", "8", "--model_dim", "32"],
+            "--num_layers 6 -> 8, --model_dim 16 -> 32 would",
+        ),
+        (None, ["--batch_size", "512"], "--batch_size 256 -> 512 would change"),
+        (None, ["--num_iterations", "10"], "--num_iterations 8 -> 10 would change"),
+        (
+            None,
+            ["--train_files", "{shard}"],  # one of the two shards
+            "train shards (name:tokens) ['markov_train_000001.bin:60000', "
+            "'markov_train_000002.bin:60000'] -> "
+            "['markov_train_000001.bin:60000']",
+        ),
+        (flipped_byte, [], " fails its CRC check)"),
+        (truncated, [], "(BadZipFile: File is not a zip file)"),
+        (lambda path, tmp_path: tmp_path / "missing.pt", [], "(FileNotFoundError: "),
+        (
+            lambda path, tmp_path: tmp_path,
+            [],
+            "(IsADirectoryError: ",
+        ),  # a folder without checkpoints
+        # the run's log
+        (lambda path, tmp_path: next(path.parent.parent.glob("*.txt")), [], "(BadZipFile: "),
+        (other_dict, [], "(KeyError: 'args')"),
+    ],
+)
+def test_a_checkpoint_that_cannot_continue_the_run_is_one_error_line(
+    reference, markov_shards, tmp_path, capsys, make_path, extra, words
+):
     checkpoint = reference[1][0]
     path = make_path(checkpoint, tmp_path) if make_path else checkpoint
     extra = [arg.format(shard=markov_shards[0].replace("*", "000001")) for arg in extra]
     assert train_gpt.main(["--resume", str(path), "--log_dir", str(tmp_path / "logs"), *extra]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --resume {str(path)!r}") and err.count("\n") == 1 and words in err, err
+    assert (
+        err.startswith(f"error: --resume {str(path)!r}") and err.count("\n") == 1 and words in err
+    ), err
     assert not (tmp_path / "logs").exists()  # refused before anything is written

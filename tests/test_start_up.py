@@ -57,13 +57,18 @@ def without_triton(request):
 def test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss(request):
     refused, trained, result = without_triton(request).result()
     out = result.stdout
-    assert out.count("exit code") == 2 and out.rstrip().endswith("exit code 0"), result.stderr[-3000:]
+    assert out.count("exit code") == 2 and out.rstrip().endswith("exit code 0"), result.stderr[
+        -3000:
+    ]
     assert out.index("exit code 1") < out.index("step:")  # refused before any step
     # it trained: below the step-0 loss
     assert float(out.split("step:1/1 val_loss:")[1].split()[0]) < LN_VOCAB
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr
-    assert errors[0].startswith("error: --fused_head_loss must be auto or false: triton") and "Linux only" in errors[0]
+    assert (
+        errors[0].startswith("error: --fused_head_loss must be auto or false: triton")
+        and "Linux only" in errors[0]
+    )
     assert not refused.exists() and len(list(trained.glob("*.txt"))) == 1
 
 
@@ -77,7 +82,9 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_shard_and_position(
     assert load_data_shard(path, 65536).tolist() == tokens.tolist()
     with pytest.raises(UserError) as info:
         load_data_shard(path, 50304)
-    assert str(info.value).startswith(f"{path}: token id 50304 at position 637 is not below --vocab_size 50304")
+    assert str(info.value).startswith(
+        f"{path}: token id 50304 at position 637 is not below --vocab_size 50304"
+    )
     assert "another tokenizer" in str(info.value) and "corrupt" in str(info.value)
 
 
@@ -95,11 +102,27 @@ def tiny_shards(folder, split, bad_shard, bad_at=4321):
 # the val loader reads only its first shard here (128 tokens): its second is checked all the same
 @pytest.mark.parametrize("split,bad_shard", [("train", 1), ("val", 2)])
 def test_a_bad_token_id_in_the_first_train_shard_or_any_val_shard_stops_before_step_one(
-        tmp_path, capsys, markov_shards, split, bad_shard):
-    files = {"train": markov_shards[0], "val": markov_shards[1], split: tiny_shards(tmp_path, split, bad_shard)}
-    err = run_main(capsys, *TINY_RUN, "--train_files", files["train"], "--val_files", files["val"],
-                   "--log_dir", str(tmp_path / "logs"))
-    assert err.count("\n") == 1 and f"t_{split}_{bad_shard:06d}.bin: token id 50304 at position 4,321" in err
+    tmp_path, capsys, markov_shards, split, bad_shard
+):
+    files = {
+        "train": markov_shards[0],
+        "val": markov_shards[1],
+        split: tiny_shards(tmp_path, split, bad_shard),
+    }
+    err = run_main(
+        capsys,
+        *TINY_RUN,
+        "--train_files",
+        files["train"],
+        "--val_files",
+        files["val"],
+        "--log_dir",
+        str(tmp_path / "logs"),
+    )
+    assert (
+        err.count("\n") == 1
+        and f"t_{split}_{bad_shard:06d}.bin: token id 50304 at position 4,321" in err
+    )
     assert not (tmp_path / "logs").exists()  # nothing written, nothing trained
 
 
@@ -109,39 +132,64 @@ def test_a_later_train_shard_with_a_bad_token_id_fails_when_the_loader_reaches_i
     # shard 1 holds 4 batches of 1,000 (+ 2)
     firsts = [loader.next_batch(1000)[0][0].item() for _ in range(4)]
     assert firsts == markov_stream(5000, seed=1)[0:4000:1000].tolist()
-    with pytest.raises(UserError, match="t_train_000002.bin: token id 50304 at position 5 is not below"):
+    with pytest.raises(
+        UserError, match="t_train_000002.bin: token id 50304 at position 5 is not below"
+    ):
         loader.next_batch(1000)
 
 
 def test_a_shard_matched_by_both_train_and_val_files_is_refused(tmp_path, capsys, markov_shards):
     train_shard = sorted(glob.glob(markov_shards[0]))[0]
     (tmp_path / "v_val_000000.bin").symlink_to(train_shard)  # another name, the same file
-    err = run_main(capsys, *TINY_RUN, "--train_files", markov_shards[0], "--val_files", str(tmp_path / "v_val_*.bin"),
-                   "--log_dir", str(tmp_path / "logs"))
-    assert err.startswith(f"error: {os.path.realpath(train_shard)} is matched by both --train_files and --val_files")
+    err = run_main(
+        capsys,
+        *TINY_RUN,
+        "--train_files",
+        markov_shards[0],
+        "--val_files",
+        str(tmp_path / "v_val_*.bin"),
+        "--log_dir",
+        str(tmp_path / "logs"),
+    )
+    assert err.startswith(
+        f"error: {os.path.realpath(train_shard)} is matched by both --train_files and --val_files"
+    )
     assert not (tmp_path / "logs").exists()
 
 
 # {file}: an existing file, in the way of a folder; /proc refuses new folders even to root
-@pytest.mark.parametrize("option,place,data", [
-    ("--log_dir", "{file}/logs", "shards"), ("--log_dir", "{file}/logs", "synthetic"),
-    ("--log_dir", "/proc/no_such_dir/logs", "shards"), ("--compile_cache", "{file}/cache.bin", "shards"),
-    ("--compile_cache", "/proc/no_such_dir/cache.bin", "shards")])
+@pytest.mark.parametrize(
+    "option,place,data",
+    [
+        ("--log_dir", "{file}/logs", "shards"),
+        ("--log_dir", "{file}/logs", "synthetic"),
+        ("--log_dir", "/proc/no_such_dir/logs", "shards"),
+        ("--compile_cache", "{file}/cache.bin", "shards"),
+        ("--compile_cache", "/proc/no_such_dir/cache.bin", "shards"),
+    ],
+)
 def test_a_place_that_cannot_be_written_is_one_line_before_the_model_is_built(
-        tmp_path, capsys, monkeypatch, markov_shards, option, place, data):
+    tmp_path, capsys, monkeypatch, markov_shards, option, place, data
+):
     if place.startswith("/proc") and not sys.platform.startswith("linux"):
         pytest.skip("/proc is Linux's")
     (tmp_path / "a_file").write_text("")
     place = place.format(file=tmp_path / "a_file")
     monkeypatch.setattr(train_gpt, "build_model", lambda *args: pytest.fail("the model was built"))
-    shards = ["--train_files", markov_shards[0], "--val_files", markov_shards[1]] * (data == "shards")
+    shards = ["--train_files", markov_shards[0], "--val_files", markov_shards[1]] * (
+        data == "shards"
+    )
     # the cache is only used when compiling
     compile_on = ["--compile", "true"] * (option == "--compile_cache")
-    err = run_main(capsys, *TINY_RUN, *shards, *compile_on, "--log_dir", str(tmp_path / "logs"), option, place)
+    err = run_main(
+        capsys, *TINY_RUN, *shards, *compile_on, "--log_dir", str(tmp_path / "logs"), option, place
+    )
     assert err.startswith(f"error: {option}: cannot make or write to ") and err.count("\n") == 1
 
 
-def test_a_gpu_this_torch_cannot_use_is_one_line_with_the_fix_not_a_cpu_run(capsys, monkeypatch, markov_shards):
+def test_a_gpu_this_torch_cannot_use_is_one_line_with_the_fix_not_a_cpu_run(
+    capsys, monkeypatch, markov_shards
+):
     def nvidia_smi(command, **kwargs):
         assert command == ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
         listed = "NVIDIA H100 80GB HBM3, 535.104.05\n" * 2
@@ -150,16 +198,26 @@ def test_a_gpu_this_torch_cannot_use_is_one_line_with_the_fix_not_a_cpu_run(caps
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(subprocess, "run", nvidia_smi)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    err = run_main(capsys, *TINY_RUN, "--train_files", markov_shards[0], "--val_files", markov_shards[1])
-    assert err.count("\n") == 1 and "2 x NVIDIA H100 80GB HBM3" in err and "(driver 535.104.05)" in err
+    err = run_main(
+        capsys, *TINY_RUN, "--train_files", markov_shards[0], "--val_files", markov_shards[1]
+    )
+    assert (
+        err.count("\n") == 1 and "2 x NVIDIA H100 80GB HBM3" in err and "(driver 535.104.05)" in err
+    )
     assert f"torch {torch.__version__} (CUDA {torch.version.cuda};" in err
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126" in err
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU on purpose
     assert train_gpt.setup_device()[2] == torch.device("cpu")
 
 
-@pytest.mark.parametrize("failure", [FileNotFoundError("nvidia-smi"), subprocess.CalledProcessError(9, "nvidia-smi"),
-                                     subprocess.TimeoutExpired("nvidia-smi", 60)])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        FileNotFoundError("nvidia-smi"),
+        subprocess.CalledProcessError(9, "nvidia-smi"),
+        subprocess.TimeoutExpired("nvidia-smi", 60),
+    ],
+)
 def test_no_nvidia_smi_or_no_answer_from_it_means_no_gpu(monkeypatch, failure):
     def nvidia_smi(command, **kwargs):
         raise failure
