@@ -6,6 +6,7 @@ import pytest
 from helpers import BACKGROUND
 from helpers import LAUNCH_VARIABLES
 from helpers import LN_VOCAB
+from helpers import MALLOC_KEEP
 from helpers import PROFILE
 from helpers import REPO
 from helpers import SESSION_ENV
@@ -22,9 +23,9 @@ from helpers import unigram_entropy
 
 import train_gpt
 
-__all__ = ["BACKGROUND", "LAUNCH_VARIABLES", "LN_VOCAB", "PROFILE", "REPO", "SESSION_ENV",
-           "Background", "SmokeRuns", "finished_log", "launch_env", "load_records_script",
-           "markov_stream", "run_trainer", "smoke_marked", "unigram_entropy"]
+__all__ = ["BACKGROUND", "LAUNCH_VARIABLES", "LN_VOCAB", "MALLOC_KEEP", "PROFILE", "REPO",
+           "SESSION_ENV", "Background", "SmokeRuns", "finished_log", "launch_env",
+           "load_records_script", "markov_stream", "run_trainer", "smoke_marked", "unigram_entropy"]
 
 
 @pytest.fixture(scope="session")

@@ -123,7 +123,8 @@ def test_without_grad_the_kernel_computes_the_loss_only_and_leaves_the_logits(sm
 
 def recorded_kernel_rows(monkeypatch):
     """The row count of every logits block the head kernel is given."""
-    kernel, rows = train_gpt.softcapped_cross_entropy_, []
+    kernel = train_gpt.softcapped_cross_entropy_
+    rows = []
 
     def recording_kernel(logits, *args, **kwargs):
         rows.append(len(logits))
@@ -218,7 +219,8 @@ def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monk
         return fused_head_loss(F.rms_norm(h, (h.size(-1),)).bfloat16(), weight, targets)
 
     compiled = torch.compile(head, backend="aot_eager", dynamic=False)
-    kernel, compiling = train_gpt.softcapped_cross_entropy_, []
+    kernel = train_gpt.softcapped_cross_entropy_
+    compiling = []
 
     def recording_kernel(*args, **kwargs):
         compiling.append(torch.compiler.is_compiling())
@@ -260,7 +262,8 @@ def small_model_loss_and_grads(float64=False, **options):
 
 
 @functools.cache
-def plain_model_in_float64_and_bf16():  # shared by the options' tests
+def plain_model_in_float64_and_bf16():
+    """Shared by the options' tests."""
     return small_model_loss_and_grads(float64=True), small_model_loss_and_grads()
 
 
@@ -269,7 +272,8 @@ def plain_model_in_float64_and_bf16():  # shared by the options' tests
 def test_model_with_the_fused_head_is_as_close_to_float64_as_the_plain_model(monkeypatch):
     option = "fused_head_loss"
     (ref_loss, ref_grads), (_, plain_grads) = plain_model_in_float64_and_bf16()
-    kernel, calls = train_gpt.softcapped_cross_entropy_, []
+    kernel = train_gpt.softcapped_cross_entropy_
+    calls = []
     def counted_kernel(*args, **kwargs):
         calls.append(1)
         return kernel(*args, **kwargs)

@@ -24,7 +24,8 @@ SORTS = {"sort", "argsort", "msort", "topk", "kthvalue", "median", "nanmedian", 
 
 def reference_mask(tokens, window_blocks):
     """Literally: q sees k iff k <= q, same document, and fewer than window_blocks blocks apart."""
-    docs, doc = [], 0
+    docs = []
+    doc = 0
     for t in tokens.tolist():
         doc += t == EOT
         docs.append(doc)
@@ -139,13 +140,12 @@ def reference_block_pairs(tokens):
     docs = (tokens == EOT).cumsum(0, dtype=torch.int32).view(-1, BLOCK_SIZE)
     pos = torch.arange(len(tokens), dtype=torch.int32).view(-1, BLOCK_SIZE)
     n = len(docs)
-    any_allowed, all_allowed = (
-        torch.zeros(n, n, dtype=torch.bool),
-        torch.zeros(n, n, dtype=torch.bool),
-    )
+    any_allowed = torch.zeros(n, n, dtype=torch.bool)
+    all_allowed = torch.zeros(n, n, dtype=torch.bool)
     # q-block = kv-block + distance, every token pair of each
     for distance in range(min(n, max(WINDOWS))):
-        q, kv = torch.arange(distance, n), torch.arange(n - distance)
+        q = torch.arange(distance, n)
+        kv = torch.arange(n - distance)
         allowed = (
             (pos[kv, None, :] <= pos[q, :, None]) & (docs[kv, None, :] == docs[q, :, None])
         ).flatten(1)
@@ -160,7 +160,8 @@ def reference_lists(pairs, window):
     assert window <= max(WINDOWS)
     any_allowed, all_allowed, same_doc = pairs
     n = len(any_allowed)
-    q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    q = torch.arange(n)[:, None]
+    kv = torch.arange(n)[None, :]
     in_window = q - kv < window
     partial = any_allowed & in_window  # some token pair allowed
     full = (q > kv) & in_window & same_doc
@@ -175,7 +176,8 @@ def listed(counts, indices):
     assert counts.shape == (1, 1, n) and indices.shape == (1, 1, n, n)
     assert counts.dtype == indices.dtype == torch.int32 and indices.is_contiguous()
     assert ((indices >= 0) & (indices < n)).all()  # even past a row's count
-    counts, indices = counts[0, 0].long(), indices[0, 0].long()
+    counts = counts[0, 0].long()
+    indices = indices[0, 0].long()
     present = torch.arange(n)[None, :] < counts[:, None]
     rows = torch.arange(n)[:, None].expand(n, n)
     times = torch.zeros(n, n, dtype=torch.long)

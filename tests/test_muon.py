@@ -152,7 +152,8 @@ def test_muon_step_matches_float64(compiled, nesterov):
     muon = Muon(params, lr=1.0, momentum=0.0, nesterov=nesterov, compiled=compiled)
     for grads, (lr, m) in zip(grads_per_step, schedule):
         for group in muon.param_groups:
-            group["lr"], group["momentum"] = lr, m
+            group["lr"] = lr
+            group["momentum"] = m
         for p, g in zip(params, grads):
             p.grad = g
         muon.step()

@@ -71,7 +71,8 @@ def test_compiled_newton_schulz_compiles_once_per_stacked_shape_and_computes_the
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen)
             for group in muon.param_groups:
-                group["lr"], group["momentum"] = 0.05 / (step + 1), 0.85 + 0.05 * step
+                group["lr"] = 0.05 / (step + 1)
+                group["momentum"] = 0.85 + 0.05 * step
             muon.step()
             # from the first step on: three steps, six matrices, two graphs
             assert counter.frame_count == 2

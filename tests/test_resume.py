@@ -57,8 +57,9 @@ def stop_at(monkeypatch, at, *signals):
     agreed = train_gpt.CleanStop.agreed
 
     def preempted(self, step):
-        for signum in signals * (step == at):
-            signal.raise_signal(signum)
+        if step == at:
+            for signum in signals:
+                signal.raise_signal(signum)
         return agreed(self, step)
 
     monkeypatch.setattr(train_gpt.CleanStop, "agreed", preempted)
@@ -258,8 +259,9 @@ def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, 
     assert val_losses(log) == {8: expected[8]}
 
 
-# the middle of the file: tensor data (the embedding tables are most of it)
 def flipped_byte(path, tmp_path):
+    """One bit flipped in the middle of the file: tensor data (the embedding tables are most of
+    it)."""
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
     (tmp_path / "flipped.pt").write_bytes(data)
@@ -271,7 +273,8 @@ def truncated(path, tmp_path):
     return tmp_path / "truncated.pt"
 
 
-def other_dict(path, tmp_path):  # torch.save's, but not a checkpoint of this trainer
+def other_dict(path, tmp_path):
+    """torch.save's, but not a checkpoint of this trainer."""
     torch.save(dict(model=torch.load(path)["model"]), tmp_path / "weights.pt")
     return tmp_path / "weights.pt"
 

@@ -176,11 +176,13 @@ def test_a_place_that_cannot_be_written_is_one_line_before_the_model_is_built(
     (tmp_path / "a_file").write_text("")
     place = place.format(file=tmp_path / "a_file")
     monkeypatch.setattr(train_gpt, "build_model", lambda *args: pytest.fail("the model was built"))
-    shards = ["--train_files", markov_shards[0], "--val_files", markov_shards[1]] * (
-        data == "shards"
-    )
+    shards = []
+    if data == "shards":
+        shards = ["--train_files", markov_shards[0], "--val_files", markov_shards[1]]
     # the cache is only used when compiling
-    compile_on = ["--compile", "true"] * (option == "--compile_cache")
+    compile_on = []
+    if option == "--compile_cache":
+        compile_on = ["--compile", "true"]
     err = run_main(
         capsys, *TINY_RUN, *shards, *compile_on, "--log_dir", str(tmp_path / "logs"), option, place
     )
