@@ -2,6 +2,8 @@
 share, the background queue started at session start (its jobs' wall times printed at the end), and
 no process left behind. The shared functions live in tests/helpers.py; the names below stay
 importable from here."""
+import signal
+
 import pytest
 from helpers import BACKGROUND
 from helpers import LAUNCH_VARIABLES
@@ -50,6 +52,17 @@ def smoke_runs(markov_shards, tmp_path_factory):
 def smoke_logs(smoke_runs):
     """Paths of finished logs written by real smoke runs of the trainer (CPU)."""
     return [smoke_runs.short(1), smoke_runs.short(2), smoke_runs.full()]
+
+
+def stop_as_on_ctrl_c(signum, frame):
+    """SIGTERM (from `timeout`, say) ends the session as Ctrl-C does: through its teardown, which
+    kills the processes the tests started."""
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+def pytest_configure(config):
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, stop_as_on_ctrl_c)
 
 
 def pytest_collection_modifyitems(items):

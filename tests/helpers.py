@@ -1,6 +1,7 @@
 """What the tests share: where the repository is, the environment and the lifetime of the processes
 they start, the background queue, real runs of the trainer and readers of its log, shards, and the
 small runs several test files make. Fixtures and pytest's hooks are in conftest.py."""
+import atexit
 import concurrent.futures
 import contextlib
 import ctypes
@@ -77,6 +78,10 @@ def kill_every_live_group():
         live = list(LIVE_GROUPS)
     for process in live:
         kill_group(process)
+
+
+# and whatever is still alive when this interpreter exits
+atexit.register(kill_every_live_group)
 
 
 def start_process(command, **kwargs):

@@ -289,12 +289,14 @@ class RecordingInductor:
         return compile_fx_inner(graph_module, example_inputs, *args, **kwargs)
 
 
-def attend(tokens, q, k, v, window_blocks):
-    """As the model attends on the GPU: the mask built inside the compiled region from the window
-    tensor. Eager flex_attention evaluates mask_mod on every pair and ignores the block lists (so
-    the window would vanish); the compiled kernel honours them."""
+def attend(tokens, q, k, v, window_blocks, eager_mask):
+    """As the model attends on the GPU: with the mask built inside the compiled region from the
+    window tensor, and with a mask built outside it (regional compilation builds it eagerly, then
+    calls the compiled blocks). Eager flex_attention evaluates mask_mod on every pair and ignores
+    the block lists (so the window would vanish); the compiled kernel honours them."""
     block_mask = build_block_mask(tokens, window_blocks)
-    return flex_attention(q, k, v, block_mask=block_mask), block_mask
+    attention = flex_attention(q, k, v, block_mask=block_mask)
+    return attention, flex_attention(q, k, v, block_mask=eager_mask), block_mask
 
 
 def random_qkv(length):
@@ -311,9 +313,11 @@ def compiled_attention():
     compiled = torch.compile(attend, backend=backend, dynamic=False)
     # as the trainer feeds them
     tokens = long_layout("mixed", COMPILED_LENGTH, seed=5).to(torch.int32)
+    window_blocks = torch.tensor(1, dtype=torch.int32)
+    eager_mask = build_block_mask(tokens, window_blocks)
     started = time.perf_counter()
     with fresh_inductor_cache():
-        compiled(tokens, *random_qkv(COMPILED_LENGTH), torch.tensor(1, dtype=torch.int32))
+        compiled(tokens, *random_qkv(COMPILED_LENGTH), window_blocks, eager_mask)
     print(f"compiled mask and attention in {time.perf_counter() - started:.1f} s")
     return compiled, backend
 
@@ -343,7 +347,8 @@ def test_compiled_mask_and_attention_match_the_token_by_token_definition_in_one_
     """For every window, compiled in place (no recompilation as the window grows, nor for another
     layout): the block lists against the token-level blocks; for the short layouts' documents and
     the long mixed ones, the dense CPU mask against the token-by-token mask and attention through
-    the block mask against dense attention, with windows of 1 to 4 blocks and 14."""
+    the block mask (built inside the compiled region, and outside it) against dense attention, with
+    windows of 1 to 4 blocks and 14."""
     compiled, backend = compiled_attention
     if long:
         tokens = long_layout(name, COMPILED_LENGTH, seed=1)
@@ -355,14 +360,16 @@ def test_compiled_mask_and_attention_match_the_token_by_token_definition_in_one_
     window_blocks = torch.tensor(1, dtype=torch.int32)
     for window in WINDOWS:
         window_blocks.fill_(window)
-        attention, mask = compiled(tokens, q, k, v, window_blocks)
+        eager_mask = build_block_mask(tokens, window_blocks)
+        attention, with_eager_mask, mask = compiled(tokens, q, k, v, window_blocks, eager_mask)
         assert_lists_match(mask, pairs, window, f"compiled, window {window}")
         if window in (1, 2, 3, 4, 14) and (not long or name == "mixed"):
             expected_mask = reference_mask(tokens, window)
             dense = build_dense_mask(tokens, window_blocks)
             assert torch.equal(dense, expected_mask), f"dense mask differs, window {window}"
             expected = F.scaled_dot_product_attention(q, k, v, attn_mask=expected_mask)
-            torch.testing.assert_close(
-                attention, expected, rtol=1e-5, atol=1e-5, msg=f"window {window}"
-            )
+            torch.testing.assert_close(attention, expected, rtol=1e-5, atol=1e-5,
+                                       msg=f"window {window}")
+            torch.testing.assert_close(with_eager_mask, expected, rtol=1e-5, atol=1e-5,
+                                       msg=f"mask built outside, window {window}")
     assert backend.frames == 1
