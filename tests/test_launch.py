@@ -82,7 +82,6 @@ def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for
         request):
     seconds, port, result = world_of_two_without_torchrun(request).result()
     assert seconds < 60
-    assert time.monotonic() - started < 60
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     settings = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
     assert result.stderr.startswith(f"error: {settings} set in the environment")

@@ -15,7 +15,6 @@ from helpers import REPO
 from helpers import SOURCE
 from helpers import finished_log
 from helpers import run_process
-from helpers import run_trainer
 from helpers import step_lines
 from helpers import tiny
 from helpers import val_losses
@@ -35,16 +34,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def reference(markov_shards, tmp_path_factory, one_thread):
-    """The run not interrupted, in this process: its val losses and its checkpoints (every 4
-    steps)."""
-    log_dir = tmp_path_factory.mktemp("reference")
-    assert train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4")) == 0
-    log = finished_log(log_dir)
-    return val_losses(log), sorted((log_dir / log.stem).glob("state_step*.pt"))
 
 
 def resumed_losses(path, log_dir):
@@ -67,7 +56,7 @@ def stop_at(monkeypatch, at, *signals):
 
 def test_sigterm_on_one_process_stops_after_the_step_and_resumes_to_identical_losses(
         reference, markov_shards, tmp_path, capsys, monkeypatch):
-    expected, _ = reference
+    expected = reference[0]
     # torchrun forwards a second signal: no effect
     stop_at(monkeypatch, 3, signal.SIGTERM, signal.SIGINT)
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
@@ -153,53 +142,49 @@ def test_under_nohup_a_hang_up_does_not_stop_the_run(
     assert code == 0 and sorted(val_losses(finished_log(tmp_path))) == [2]
 
 
-def stopped_under_torchrun(request):
-    """On the background queue, started at session start: the uninterrupted run as a process of its
-    own (checkpoints every 4 steps), then its step-4 checkpoint resumed on 2 processes, which
-    torchrun stops after step 6 (tests/stop_worker.py). Gives the run's folder, the uninterrupted
-    log and checkpoints, and torchrun's finished process."""
-    shards = request.getfixturevalue("markov_shards")
-    tmp = request.getfixturevalue("tmp_path_factory").mktemp("stopped_under_torchrun")
-
-    def run():
-        uninterrupted = run_trainer(
-            tiny(shards, tmp / "uninterrupted", "--checkpoint_every", "4"), threads=1
-        )
-        assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-        log = finished_log(tmp / "uninterrupted")
-        checkpoints = sorted((log.parent / log.stem).glob("state_step*.pt"))
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        command = [
-            sys.executable,
-            *launcher,
-            str(REPO / "tests" / "stop_worker.py"),
-            "5",
-            "--resume",
-            str(checkpoints[0]),
-            "--log_dir",
-            str(tmp / "2"),
-        ]
-        result = run_process(command, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
-        return tmp, log, checkpoints, result
-
-    return BACKGROUND.once("stopped_under_torchrun", run)
+def stop_under_torchrun(checkpoint, log_dir):
+    """The checkpoint resumed on 2 processes, which torchrun stops after step 6
+    (tests/stop_worker.py); gives the finished process."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    worker = str(REPO / "tests" / "stop_worker.py")
+    command = [sys.executable, *launcher, worker, "5", "--resume", str(checkpoint),
+               "--log_dir", str(log_dir)]
+    return run_process(command, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
 
 
-@pytest.mark.background.with_args(stopped_under_torchrun)
+@pytest.fixture(scope="session")
+def reference(markov_shards, tmp_path_factory):
+    """The run not interrupted, in this process (on one thread): its val losses, its checkpoints
+    (every 4 steps), and the log folder of its step-4 checkpoint resumed under torchrun, at once, on
+    the background queue. Made once: the test that awaits torchrun runs last."""
+    log_dir = tmp_path_factory.mktemp("reference")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4"))
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    log = finished_log(log_dir)
+    checkpoints = sorted((log_dir / log.stem).glob("state_step*.pt"))
+    stopped_dir = tmp_path_factory.mktemp("stopped_under_torchrun")
+    BACKGROUND.once("stopped_under_torchrun", stop_under_torchrun, checkpoints[0], stopped_dir)
+    return val_losses(log), checkpoints, stopped_dir
+
+
+@pytest.mark.background
 def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_across_process_counts(
-    request, one_thread
-):
-    """1 -> 2 -> 1 processes: the uninterrupted run's step-4 checkpoint resumed on 2 processes,
-    which torchrun stops after step 6, then that checkpoint resumed on 1 process (here) to the
-    end."""
-    tmp_path, uninterrupted, checkpoints, result = stopped_under_torchrun(request).result()
-    expected = val_losses(uninterrupted)
+        reference, tmp_path, one_thread):
+    """1 -> 2 -> 1 processes: the reference's step-4 checkpoint resumed on 2 processes, which
+    torchrun stops after step 6, then that checkpoint resumed on 1 process (here) to the end."""
+    expected, checkpoints, log_dir = reference
+    result = BACKGROUND.futures["stopped_under_torchrun"].result()
     # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers,
     # without one
     assert result.returncode == 1, result.stderr[-3000:]
     assert "SignalException: Process" in result.stderr, result.stderr[-3000:]
     assert 'train_gpt.py", line' not in result.stderr
-    log = finished_log(tmp_path / "2")
+    log = finished_log(log_dir)
     stopped = log.parent / log.stem / "state_step000006.pt"
     stop_line = (
         "stopped by SIGTERM after step 6; resume with: torchrun --standalone --nproc_per_node=2 "
@@ -227,7 +212,7 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
 def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, tmp_path):
     """The final checkpoint, as if written by another version of the script: resumed, it only
     validates."""
-    expected, checkpoints = reference
+    expected, checkpoints, _ = reference
     state = torch.load(checkpoints[-1])
     assert (
         state["step"] == 8 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
