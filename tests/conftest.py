@@ -95,11 +95,14 @@ def launch_background_work(request):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Each background job's wall time: they run beside the tests, out of `--durations`' sight."""
+    """Each background job's wall time (and its processes' CPU time): they run beside the tests, out
+    of `--durations`' sight."""
     if not BACKGROUND.seconds:
         return
-    terminalreporter.section("background jobs (wall time)")
+    terminalreporter.section("background jobs: wall time (CPU time of their processes)")
     for key, seconds in sorted(BACKGROUND.seconds.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"{seconds:7.1f}s {key}")
+        cpu = BACKGROUND.cpu_seconds.get(key, 0)
+        terminalreporter.write_line(f"{seconds:7.1f}s ({cpu:6.1f}s) {key}")
     total = sum(BACKGROUND.seconds.values())
-    terminalreporter.write_line(f"{total:7.1f}s in all, one job at a time")
+    cpu = sum(BACKGROUND.cpu_seconds.values())
+    terminalreporter.write_line(f"{total:7.1f}s ({cpu:6.1f}s) in all, one job at a time")

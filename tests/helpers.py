@@ -9,6 +9,7 @@ import importlib.util
 import math
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -141,6 +142,7 @@ class Background:
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
         self.futures = {}
         self.seconds = {}
+        self.cpu_seconds = {}
 
     def once(self, key, fn, *args, **kwargs):
         if key not in self.futures:
@@ -149,10 +151,19 @@ class Background:
 
     def timed(self, key, fn, *args, **kwargs):
         started_at = time.perf_counter()
+        cpu_before = children_cpu_seconds()
         try:
             return fn(*args, **kwargs)
         finally:
             self.seconds[key] = time.perf_counter() - started_at
+            self.cpu_seconds[key] = children_cpu_seconds() - cpu_before
+
+
+def children_cpu_seconds():
+    """CPU time of this process's finished children: jobs run one at a time, so a job's share is
+    about the change over its run (a busy machine stretches wall times, less so CPU times)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 BACKGROUND = Background()
