@@ -1,5 +1,6 @@
-"""Every option is checked at start-up: a value that parses but cannot work ends in one line
-`error: --NAME must be ...; got VALUE`, exit code 1, before any file is written or any step runs."""
+"""Every hyperparameter is a command-line option, and every option is checked at start-up: a value
+that parses but cannot work ends in one line `error: --NAME must be ...; got VALUE`, exit code 1,
+before any file is written or any step runs."""
 from dataclasses import fields
 
 import pytest
@@ -199,3 +200,18 @@ def test_batch_sizes_that_do_not_divide_among_the_processes_are_refused(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and words in err
     assert not (tmp_path / "logs").exists()
+
+
+def test_every_hyperparameter_is_a_command_line_option(capsys):
+    args = parse_args(["--num_iterations", "20", "--bf16_embeds", "false",
+                       "--cooldown_frac", "0.5"])
+    assert (args.num_iterations, args.bf16_embeds, args.cooldown_frac) == (20, False, 0.5)
+    # explicit options beat the preset
+    smoke = parse_args(["--preset", "smoke", "--num_layers", "6"])
+    assert smoke.num_layers == 6 and smoke.model_dim == PRESETS["smoke"]["model_dim"]
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    for field in fields(Hyperparameters):
+        assert f"--{field.name}" in help_text
+    assert "default: 1390" in help_text
