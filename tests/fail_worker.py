@@ -1,17 +1,14 @@
-"""train_gpt.main() as torchrun runs it, but rank 1 runs out of memory in Muon's step of train step FAIL_AT
-(the exception a GPU raises, which the trainer turns into its one-line error), while rank 0 goes on into
-the step's all-gather with it.
+"""train_gpt.main() as torchrun runs it, but rank 1 runs out of memory in Muon's step of train step
+FAIL_AT (the exception a GPU raises, which the trainer turns into its one-line error), while rank 0
+goes on into the step's all-gather with it.
 
-Run by tests/test_launch.py, through run.sh: `... fail_worker.py FAIL_AT TRAINER_OPTIONS...`.
-"""
+Run by tests/test_launch.py, through run.sh: `... fail_worker.py FAIL_AT TRAINER_OPTIONS...`."""
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train_gpt  # noqa: E402
+import train_gpt
 
 FAIL_AT = int(sys.argv.pop(1))
 muon_step = train_gpt.Muon.step

@@ -1,14 +1,12 @@
-"""train_gpt.main() as torchrun runs it, but at step FULL_AT rank 0's log starts failing as on a full disk (its
-descriptor becomes /dev/full's). The processes exchange the stop flag at every step (STOP_CHECK_EVERY = 1).
+"""train_gpt.main() as torchrun runs it, but at step FULL_AT rank 0's log starts failing as on a
+full disk (its descriptor becomes /dev/full's). The processes exchange the stop flag at every step
+(STOP_CHECK_EVERY = 1).
 
-Run by tests/test_disk.py: `torchrun ... log_full_worker.py FULL_AT TRAINER_OPTIONS...`.
-"""
+Run by tests/test_disk.py: `torchrun ... log_full_worker.py FULL_AT TRAINER_OPTIONS...`."""
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train_gpt  # noqa: E402
+import train_gpt
 
 FULL_AT = int(sys.argv.pop(1))
 agreed = train_gpt.CleanStop.agreed

@@ -1,20 +1,17 @@
 """Muon on fixed parameters and gradients, as one process or under torchrun; saves rank 0's result.
 
-Run by tests/test_muon.py through torchrun with 2 or 3 processes, the way the trainer itself is launched;
-the test runs train() in its own process for the single-process result.
-"""
+Run by tests/test_muon.py through torchrun with 2 or 3 processes, the way the trainer itself is
+launched; the test runs train() in its own process for the single-process result."""
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train_gpt import Muon  # noqa: E402
+from train_gpt import Muon
 
-# stacked as 5 of (32, 48), tall ones transposed: shares 3+2 on 2 ranks, 2+2+1 on 3; one (16, 48) and
-# two (24, 24): fewer matrices than ranks, so some ranks send only padding
+# stacked as 5 of (32, 48), tall ones transposed: shares 3+2 on 2 ranks, 2+2+1 on 3; one (16, 48)
+# and two (24, 24): fewer matrices than ranks, so some ranks send only padding
 SHAPES = [(32, 48), (48, 32), (32, 48), (32, 48), (48, 32), (48, 16), (24, 24), (24, 24)]
 STEPS = 3
 
@@ -25,7 +22,8 @@ def gradients(step, params):
 
 
 def train():
-    """STEPS steps of Muon on SHAPES; in whatever world RANK and WORLD_SIZE describe (Muon reads them)."""
+    """STEPS steps of Muon on SHAPES; in whatever world RANK and WORLD_SIZE describe (Muon reads
+    them)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
     optimizer = Muon(params, lr=0.05, momentum=0.9)

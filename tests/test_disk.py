@@ -1,5 +1,6 @@
-"""What the trainer writes and deletes: only its own files (checkpoints of its own rotation, its own temp files of
-interrupted writes, once no process owns them), and a full disk is one line, never a lost run."""
+"""What the trainer writes and deletes: only its own files (checkpoints of its own rotation, its own
+temp files of interrupted writes, once no process owns them), and a full disk is one line, never a
+lost run."""
 import os
 import re
 import signal
@@ -10,16 +11,21 @@ import uuid
 
 import pytest
 import torch
+from helpers import BACKGROUND
+from helpers import REPO
+from helpers import finished_log
+from helpers import run_process
+from helpers import tiny
+from helpers import worker_env
 
 import train_gpt
-from conftest import BACKGROUND, REPO, finished_log, launch_env
-from test_resume import tiny
 
 HOST = socket.gethostname()
 
 
 def dead_pid():
-    """The id of a process that has ended (reaped, so no process has it until the system reuses it)."""
+    """The id of a process that has ended (reaped, so no process has it until the system reuses
+    it)."""
     child = subprocess.Popen(["true"])
     child.wait()
     return child.pid
@@ -32,8 +38,9 @@ def temp_name(path, pid, host=HOST):
 
 @pytest.fixture(scope="module")
 def run_among_user_files(markov_shards, tmp_path_factory):
-    """A 3-step run checkpointing every step, into a log folder holding a user's files and the temp files of
-    interrupted writes; returns the log folder, the run's checkpoint folder, and the planted files, by kind."""
+    """A 3-step run checkpointing every step, into a log folder holding a user's files and the temp
+    files of interrupted writes; returns the log folder, the run's checkpoint folder, and the
+    planted files, by kind."""
     log_dir = tmp_path_factory.mktemp("crowded")
     run_id = uuid.UUID(int=28)
     run_folder = log_dir / str(run_id)
@@ -46,7 +53,8 @@ def run_among_user_files(markov_shards, tmp_path_factory):
     cache = log_dir / "compile.cache"
     stale = [temp_name(other_run / "state_step000004.pt", dead), temp_name(cache, dead),
              temp_name(log_dir / "synthetic-seed0" / "synthetic_train_000001.bin", dead)]
-    # owned by a live process, by another machine's process, unstamped, or not a name the trainer writes
+    # owned by a live process, by another machine's process, unstamped, or not a name the trainer
+    # writes
     kept = [temp_name(other_run / "state_step000005.pt", os.getppid()),
             temp_name(other_run / "state_step000006.pt", dead, host=f"not-{HOST}"),
             other_run / "state_step000007.pt.tmp", temp_name(other_run / "notes.txt", dead),
@@ -59,13 +67,15 @@ def run_among_user_files(markov_shards, tmp_path_factory):
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train_gpt.uuid, "uuid4", lambda: run_id)
-        code = train_gpt.main(tiny(markov_shards, log_dir, "--num_iterations", "3", "--val_loss_every", "0",
+        code = train_gpt.main(tiny(markov_shards, log_dir, "--num_iterations", "3",
+                                   "--val_loss_every", "0",
                                    "--checkpoint_every", "1", "--compile_cache", str(cache)))
     torch.set_num_threads(threads)
     assert code == 0
     return log_dir, run_folder, dict(user=user, stale=stale, kept=kept)
 
 
+@pytest.mark.slow
 def test_checkpoint_rotation_deletes_only_the_checkpoints_this_run_wrote(run_among_user_files):
     _, run_folder, planted = run_among_user_files
     for path in planted["user"]:
@@ -74,23 +84,27 @@ def test_checkpoint_rotation_deletes_only_the_checkpoints_this_run_wrote(run_amo
     assert {p.name for p in run_folder.iterdir()} == ours | {p.name for p in planted["user"]}
 
 
+@pytest.mark.slow
 def test_stale_temp_files_are_removed_only_when_the_trainer_wrote_them_and_their_process_is_gone(
         run_among_user_files):
     log_dir, _, planted = run_among_user_files
     assert not any(os.path.exists(path) for path in planted["stale"])
     for path in planted["kept"]:
         assert open(path).read() == f"{path}: a user's\n"
-    line = next(line for line in finished_log(log_dir).read_text().splitlines() if line.startswith("removed "))
+    lines = finished_log(log_dir).read_text().splitlines()
+    line = next(line for line in lines if line.startswith("removed "))
     assert line.startswith("removed 3 temp files of interrupted writes: ")
     assert all(str(path) in line for path in planted["stale"])
 
 
 @pytest.fixture
 def small_filesystem(tmp_path):
-    """A 100 MiB tmpfs (which needs root): room for three checkpoints of the tiny model, 28 MiB each."""
+    """A 100 MiB tmpfs (which needs root): room for three checkpoints of the tiny model, 28 MiB
+    each."""
     folder = tmp_path / "small"
     folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(folder)], capture_output=True)
+    mount = ["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(folder)]
+    mounted = subprocess.run(mount, capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small filesystem here: {mounted.stderr.decode().strip()}")
     yield folder
@@ -115,31 +129,38 @@ def at_step(monkeypatch, actions):
     monkeypatch.setattr(train_gpt.CleanStop, "agreed", with_action)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_on(
         small_filesystem, markov_shards, capsys, monkeypatch):
-    """The disk fills before step 3's checkpoint; SIGTERM at step 4, whose checkpoint fails too: the stop line
-    points at step 2's, which stays."""
+    """The disk fills before step 3's checkpoint; SIGTERM at step 4, whose checkpoint fails too: the
+    stop line points at step 2's, which stays."""
     log_dir = small_filesystem / "logs"
     at_step(monkeypatch, {3: lambda: fill(small_filesystem, 256 * 1024),
                           4: lambda: signal.raise_signal(signal.SIGTERM)})
-    code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "1", "--val_loss_every", "0"))
+    code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "1",
+                               "--val_loss_every", "0"))
     assert code == 128 + signal.SIGTERM
     log = finished_log(log_dir)
     folder = log_dir / log.stem
-    assert sorted(p.name for p in folder.iterdir()) == ["state_step000001.pt", "state_step000002.pt"]
+    kept = ["state_step000001.pt", "state_step000002.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == kept
     size = (folder / "state_step000002.pt").stat().st_size / 2 ** 20
     err = capsys.readouterr().err.splitlines()
     lines = log.read_text().splitlines()
     for step in (3, 4):
-        warning = next(line for line in lines if line.startswith(f"warning: the checkpoint of step {step} "))
-        assert warning in err and "could not be written (No space left on device: it needs " in warning
+        start = f"warning: the checkpoint of step {step} "
+        warning = next(line for line in lines if line.startswith(start))
+        assert warning in err
+        assert "could not be written (No space left on device: it needs " in warning
         assert warning.endswith(f"; the last one, {folder / 'state_step000002.pt'}, stays")
         needed = float(re.search(r"it needs (\d+\.\d) MiB", warning)[1])
         assert abs(needed - size) < 0.01 * size, (needed, size)
     assert "step:4/8 train_loss:" in "\n".join(lines)  # trained on after the failed checkpoint
     stop_line = lines[-1]
-    assert stop_line == err[-1] and stop_line.startswith("stopped by SIGTERM after step 4; its checkpoint could not")
-    assert stop_line.endswith(f" --resume {folder / 'state_step000002.pt'}") and "from step 2" in stop_line
+    assert stop_line == err[-1]
+    assert stop_line.startswith("stopped by SIGTERM after step 4; its checkpoint could not")
+    assert stop_line.endswith(f" --resume {folder / 'state_step000002.pt'}")
+    assert "from step 2" in stop_line
     torch.load(folder / "state_step000002.pt")  # whole
 
 
@@ -152,6 +173,7 @@ def log_fd(log_dir):
     raise AssertionError(f"no log open in {log_dir}")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
 def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoint(
         markov_shards, tmp_path, capsys, monkeypatch):
@@ -159,57 +181,66 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoi
     full = os.open("/dev/full", os.O_WRONLY)
     at_step(monkeypatch, {2: lambda: os.dup2(full, log_fd(tmp_path))})
     try:
-        code = train_gpt.main(tiny(markov_shards, tmp_path, "--checkpoint_every", "2", "--val_loss_every", "0"))
+        code = train_gpt.main(tiny(markov_shards, tmp_path, "--checkpoint_every", "2",
+                                   "--val_loss_every", "0"))
     finally:
         os.close(full)
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
     log = finished_log(tmp_path)
     checkpoint = tmp_path / log.stem / "state_step000003.pt"  # written at the stop
-    assert err.startswith(f"error: cannot write to the log {log} (No space left on device): stopped after step 3; ")
+    no_space = f"error: cannot write to the log {log} (No space left on device)"
+    assert err.startswith(f"{no_space}: stopped after step 3; ")
     assert err.rstrip().endswith(f" --resume {checkpoint}")
-    assert log.read_text().splitlines()[-1].startswith("step:2/8 train_loss:")  # all it could write, kept
+    # all it could write, kept
+    assert log.read_text().splitlines()[-1].startswith("step:2/8 train_loss:")
     torch.load(checkpoint)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/full is Linux's")
-def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards, tmp_path, capsys, monkeypatch):
+def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards, tmp_path, capsys,
+                                                                 monkeypatch):
     run_id = uuid.UUID(int=3)
     (tmp_path / f"{run_id}.txt").symlink_to("/dev/full")
     monkeypatch.setattr(train_gpt.uuid, "uuid4", lambda: run_id)
     monkeypatch.setattr(train_gpt, "build_model", lambda *args: pytest.fail("the model was built"))
     assert train_gpt.main(tiny(markov_shards, tmp_path)) == 1
     err = capsys.readouterr().err
-    assert err == f"error: cannot write to the log {tmp_path / f'{run_id}.txt'} (No space left on device): " \
-                  "free some space or pick another --log_dir\n"
+    log = tmp_path / f"{run_id}.txt"
+    assert err == (f"error: cannot write to the log {log} (No space left on device): "
+                   "free some space or pick another --log_dir\n")
 
 
 def run_with_a_failing_log(tmp_path_factory, markov_shards):
-    """tests/log_full_worker.py under torchrun: rank 0's log fails from step 2 on; a checkpoint every 2 steps."""
+    """tests/log_full_worker.py under torchrun: rank 0's log fails from step 2 on; a checkpoint
+    every 2 steps."""
     log_dir = tmp_path_factory.mktemp("log_full")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO / "tests" / "log_full_worker.py"), "2",
            *tiny(markov_shards, log_dir, "--val_loss_every", "0", "--checkpoint_every", "2")]
-    return log_dir, subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                                   env=launch_env(OMP_NUM_THREADS="1"))
+    return log_dir, run_process(cmd, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
 
 
 def log_full_on_two_processes(request):
-    factory, shards = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("markov_shards")
+    factory = request.getfixturevalue("tmp_path_factory")
+    shards = request.getfixturevalue("markov_shards")
     return BACKGROUND.once("log_full", run_with_a_failing_log, factory, shards)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
 @pytest.mark.background.with_args(log_full_on_two_processes)
 def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(request):
-    """Rank 1 learns it with the stop flag, as of a signal: both stop after step 4, whose checkpoint (a collective:
-    rank 1 sends its Muon momenta) is written."""
+    """Rank 1 learns it with the stop flag, as of a signal: both stop after step 4, whose checkpoint
+    (a collective: rank 1 sends its Muon momenta) is written."""
     log_dir, result = log_full_on_two_processes(request).result()
     log = finished_log(log_dir)
     checkpoint = log_dir / log.stem / "state_step000004.pt"
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: cannot write to the log {log} (No space left on device): stopped after step 4; "
+    no_space = f"error: cannot write to the log {log} (No space left on device)"
+    assert errors == [f"{no_space}: stopped after step 4; "
                       "resume with: torchrun --standalone --nproc_per_node=2 train_gpt.py --resume "
                       f"{checkpoint}"], result.stderr[-3000:]
-    assert result.returncode != 0 and 'train_gpt.py", line' not in result.stderr  # no worker's traceback
+    # no worker's traceback
+    assert result.returncode != 0 and 'train_gpt.py", line' not in result.stderr
     assert torch.load(checkpoint)["step"] == 4

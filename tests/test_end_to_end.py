@@ -1,43 +1,22 @@
-"""Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and learning."""
+"""Real runs of the trainer (smoke preset, CPU): 1 process against 2, the log format, and
+learning."""
 import hashlib
-import re
 
 import numpy as np
+import pytest
+from helpers import LN_VOCAB
+from helpers import SOURCE
+from helpers import STARTUP_LINE
+from helpers import TRAIN_LINE
+from helpers import smoke_marked
+from helpers import step_lines
+from helpers import unigram_entropy
+from helpers import val_losses
 
-from conftest import LN_VOCAB, REPO, smoke_marked, unigram_entropy
-
-SOURCE = (REPO / "train_gpt.py").read_text()
-VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
-TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:(\d+\.\d{4}) train_time:(\d+)ms "
-                        r"step_avg:(nan|\d+\.\d{2})ms$")
-STARTUP_LINE = re.compile(r"^startup: (\d+\.\d)s from launch to the end of step \d+")  # the one line besides steps
-# and lines of options and tools: profile_run.py's report, checkpoints, a resumed run's notes, a stopped run's last
-# line, HellaSwag's scores
-OPTION_LINES = ("profile: ", "checkpoint: ", "resumed from ", "warning: resumed ", "stopped by ",
-                "hellaswag: ")
-
-
-def step_lines(log_path):
-    """The lines after the header; each must be a val line, a train line or the closing memory line."""
-    text = log_path.read_text()
-    assert text.startswith(SOURCE), "the log must begin with the exact source of train_gpt.py"
-    rest = text[len(SOURCE):].splitlines()
-    assert rest[1] == "=" * 100
-    body = rest[rest.index("=" * 100, rest.index("hyperparameters:")) + 1:]
-    body = [line for line in body if not line.startswith(OPTION_LINES)]
-    assert re.fullmatch(r"peak memory consumption: \d+ MiB", body[-1])
-    return body[:-1], rest
-
-
-def val_losses(log_path):
-    lines, _ = step_lines(log_path)
-    losses = {}
-    for line in lines:
-        if m := VAL_LINE.match(line):
-            losses[int(m[1])] = float(m[3])
-        elif not STARTUP_LINE.match(line):
-            assert TRAIN_LINE.match(line), f"line does not parse: {line!r}"
-    return losses
+# test_profile.py reads logs with this file's val_losses
+__all__ = ["val_losses"]
+# real runs of the trainer, every test
+pytestmark = pytest.mark.slow
 
 
 @smoke_marked(("short", 1))
@@ -73,17 +52,21 @@ def test_two_processes_give_the_same_validation_losses_as_one(smoke_runs):
 def test_smoke_run_with_no_data_named_learns_its_synthetic_markov_chain(smoke_runs):
     log = smoke_runs.full()
     _, rest = step_lines(log)
-    assert any(line.startswith("data: synthetic Markov-chain documents (seed 0), no download needed") for line in rest)
+    synthetic = "data: synthetic Markov-chain documents (seed 0), no download needed"
+    assert any(line.startswith(synthetic) for line in rest)
     losses = val_losses(log)
     # the val tokens it wrote, read here as plain numbers past the 1024-byte header
-    val = np.fromfile(log.parent / "synthetic-seed0" / "synthetic_val_000000.bin", dtype="<u2", offset=1024)
-    assert len(val) >= 1024 and val[0] == 50256 and val.max() == 50256 and val[val != 50256].max() < 256
+    val_shard = log.parent / "synthetic-seed0" / "synthetic_val_000000.bin"
+    val = np.fromfile(val_shard, dtype="<u2", offset=1024)
+    assert len(val) >= 1024 and val[0] == 50256 and val.max() == 50256
+    assert val[val != 50256].max() < 256
     entropy = unigram_entropy(val.astype(np.int64))
     final = losses[max(losses)]
     assert losses[0] == round(LN_VOCAB, 4)
     # the chain allows about ln 4 = 1.39 nats; the unigram entropy is about 5.4
     assert final < entropy - 2.5, f"final val loss {final} vs unigram entropy {entropy:.3f}"
-    assert list(losses.values()) == sorted(losses.values(), reverse=True)  # improves at every evaluation
+    # improves at every evaluation
+    assert list(losses.values()) == sorted(losses.values(), reverse=True)
 
 
 @smoke_marked(("short", 1))
@@ -95,7 +78,8 @@ def test_checkpoint_is_the_final_model_and_reproduces_the_final_val_loss(smoke_r
     log = smoke_runs.short(1)
     (checkpoint,) = log.parent.glob(f"{log.stem}/state_step000004.pt")
     state = torch.load(checkpoint)
-    assert state["step"] == 4 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
+    assert state["step"] == 4
+    assert state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
     args = train_gpt.Hyperparameters(**state["args"])
     model = train_gpt.GPT.from_args(args)
     model.load_state_dict(state["model"])

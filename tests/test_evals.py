@@ -16,10 +16,18 @@ from dataclasses import asdict
 import pytest
 import tiktoken
 import torch
+from helpers import BACKGROUND
+from helpers import REPO
+from helpers import finished_log
+from helpers import kill_group
+from helpers import launch_env
+from helpers import smoke_marked
+from helpers import start_process
 
 import train_gpt
-from conftest import BACKGROUND, REPO, finished_log, smoke_marked, launch_env
-from evals import common, hellaswag, sample
+from evals import common
+from evals import hellaswag
+from evals import sample
 
 RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
 needs_ranks = pytest.mark.skipif(not RANKS.exists(),
@@ -115,6 +123,7 @@ def test_packing_keeps_each_document_within_the_window_and_the_sequence():
     assert hellaswag.pack([100, 100, 60], 512, 2) == [(0, 0), (0, 100), (0, 200)]
 
 
+@pytest.mark.slow
 def test_packed_scores_equal_each_candidate_scored_alone_in_float64():
     examples = random_examples(seed=29, count=3, long_every=3)
     rendered = hellaswag.render(examples, BYTES)
@@ -326,6 +335,7 @@ def test_download_is_checked_saved_once_and_a_bad_one_leaves_nothing(tmp_path):
 
 # --- real checkpoints, processes and the trainer --------------------------------------------------
 
+@pytest.mark.slow
 @smoke_marked(("short", 1))
 def test_tools_read_a_checkpoint_the_trainer_wrote(smoke_runs, tmp_path, capsys, own_tokenizer):
     log = smoke_runs.short(1)
@@ -362,14 +372,19 @@ def two_process_hellaswag(request):
                 env = launch_env(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
                                  WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                                  MASTER_PORT=str(port))
-                processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, text=True))
-            outputs = [process.communicate(timeout=600) for process in processes]
+                processes.append(start_process(command, env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True))
+            try:
+                outputs = [process.communicate(timeout=600) for process in processes]
+            finally:
+                for process in processes:
+                    kill_group(process)
             return checkpoint, data, [process.returncode for process in processes], outputs
         BACKGROUND.once("hellaswag_2proc", run)
     return BACKGROUND.futures["hellaswag_2proc"]
 
 
+@pytest.mark.slow
 @needs_ranks
 @pytest.mark.background.with_args(two_process_hellaswag)
 def test_two_processes_score_as_one(request):
@@ -385,6 +400,7 @@ def test_two_processes_score_as_one(request):
     assert " on 2 x cpu " in lines[-2] and outputs[1][0] == ""
 
 
+@pytest.mark.slow
 def test_trainer_scores_hellaswag_after_the_last_step(markov_shards, tmp_path, capsys,
                                                       own_tokenizer):
     examples = random_examples(seed=7, count=6)

@@ -1,7 +1,7 @@
-"""How a run is launched, and how it ends beyond one process: torchrun's variables left in a shell, run.sh
-(with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`, on PATH), a rank that fails among
-several, the command printed to resume, a console that goes away, and nvidia-smi in the log."""
-import contextlib
+"""How a run is launched, and how it ends beyond one process: torchrun's variables left in a shell,
+run.sh (with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`, on PATH), a rank
+that fails among several, the command printed to resume, a console that goes away, and nvidia-smi in
+the log."""
 import os
 import shlex
 import shutil
@@ -14,9 +14,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import BACKGROUND, REPO, finished_log, launch_env
-from test_resume import tiny
-from test_start_up import TINY_RUN
+from helpers import BACKGROUND
+from helpers import REPO
+from helpers import TINY_RUN
+from helpers import finished_log
+from helpers import launch_env
+from helpers import run_process
+from helpers import started
+from helpers import tiny
+from helpers import worker_env
 
 import train_gpt
 
@@ -28,7 +34,8 @@ needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees 
     {"RANK": "1"}, {"WORLD_SIZE": "2"}, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"},
     {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"},
 ])
-def test_torchrun_variables_left_in_a_shell_are_one_line_naming_them(leftovers, tmp_path, capsys, monkeypatch):
+def test_torchrun_variables_left_in_a_shell_are_one_line_naming_them(leftovers, tmp_path, capsys,
+                                                                     monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     for name, value in leftovers.items():
         monkeypatch.setenv(name, value)
@@ -36,8 +43,10 @@ def test_torchrun_variables_left_in_a_shell_are_one_line_naming_them(leftovers, 
     assert train_gpt.main([*TINY_RUN, "--log_dir", str(tmp_path / "logs")]) == 1
     err = capsys.readouterr().err
     settings = " ".join(f"{name}={value}" for name, value in leftovers.items())
-    assert err.startswith(f"error: {settings} set in the environment, but this process was not started by torchrun")
-    assert f"`unset {' '.join(leftovers)}`" in err and "./run.sh or torchrun" in err and err.count("\n") == 1
+    not_torchrun = "set in the environment, but this process was not started by torchrun"
+    assert err.startswith(f"error: {settings} {not_torchrun}")
+    assert f"`unset {' '.join(leftovers)}`" in err and "./run.sh or torchrun" in err
+    assert err.count("\n") == 1
     assert not (tmp_path / "logs").exists()
 
 
@@ -47,32 +56,52 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for_the_second(tmp_path):
-    env = launch_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+def world_of_two_without_torchrun(request):
+    """On the background queue: rank 0 of 2 started by hand, without torchrun; gives its wall time
+    and the finished process."""
+    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("world_of_two")
+    env = launch_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port()))
     env.pop("TORCHELASTIC_RUN_ID", None)
-    started = time.monotonic()
-    # options that suit two processes: without the check, rank 0 would wait gloo's 30 minutes for rank 1
-    two_processes = ["--preset", "smoke", "--batch_size", "256", "--max_device_batch_size", "128", "--val_tokens",
-                     "256", "--log_dir", str(tmp_path)]
-    result = subprocess.run([sys.executable, "train_gpt.py", *two_processes], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert time.monotonic() - started < 60
+    # options that suit two processes: without the check, rank 0 would wait gloo's 30 minutes for
+    # rank 1
+    two_processes = ["--preset", "smoke", "--batch_size", "256", "--max_device_batch_size", "128",
+                     "--val_tokens", "256", "--log_dir", str(tmp_path)]
+    command = [sys.executable, str(REPO / "train_gpt.py"), *two_processes]
+
+    def run():
+        started_at = time.monotonic()
+        result = run_process(command, 120, cwd=REPO, env=env)
+        return time.monotonic() - started_at, env["MASTER_PORT"], result
+    return BACKGROUND.once("world_of_two_without_torchrun", run)
+
+
+@pytest.mark.slow
+@pytest.mark.background.with_args(world_of_two_without_torchrun)
+def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for_the_second(
+        request):
+    seconds, port, result = world_of_two_without_torchrun(request).result()
+    assert seconds < 60
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
-    settings = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={env['MASTER_PORT']}"
+    settings = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
     assert result.stderr.startswith(f"error: {settings} set in the environment")
 
 
-# the first rank of each node, and only it, says that a checkpoint is missing: on several nodes only global rank 0's
+# the first rank of each node, and only it, says that a checkpoint is missing: on several nodes only
+# global rank 0's
 # node has the checkpoints, and a node without them says so on its own console
 @pytest.mark.parametrize("rank,local_rank,prints", [(2, 0, True), (3, 1, False), (0, 0, True)])
-def test_a_missing_resume_file_is_named_on_each_node(rank, local_rank, prints, tmp_path, capsys, monkeypatch):
-    launched = dict(TORCHELASTIC_RUN_ID="test", RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2)
+def test_a_missing_resume_file_is_named_on_each_node(rank, local_rank, prints, tmp_path, capsys,
+                                                     monkeypatch):
+    launched = dict(TORCHELASTIC_RUN_ID="test", RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=4,
+                    LOCAL_WORLD_SIZE=2)
     for name, value in launched.items():
         monkeypatch.setenv(name, str(value))
     missing = tmp_path / "state_step000800.pt"
     assert train_gpt.main(["--resume", str(missing), "--log_dir", str(tmp_path / "logs")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --resume {str(missing)!r} ") == prints and err.count("\n") == prints
+    assert err.startswith(f"error: --resume {str(missing)!r} ") == prints
+    assert err.count("\n") == prints
 
 
 def test_the_resume_command_pastes_as_the_run_was_launched(tmp_path, monkeypatch):
@@ -112,7 +141,7 @@ def test_nvidia_smi_runs_once_a_run_with_a_time_limit(tmp_path, monkeypatch):
     assert "hyperparameters:" in lines  # the rest of the header follows
 
 
-# run.sh -----------------------------------------------------------------------------------------------------
+# run.sh -------------------------------------------------------------------------------------------
 
 def stand_in(folder, name, code):
     """An executable `name` in folder: Python code run by this interpreter."""
@@ -131,7 +160,8 @@ else:
     sys.exit(9)
 """
 
-# python for run.sh: asked for the GPU count, $GPUS (without importing torch: quicker); otherwise this
+# python for run.sh: asked for the GPU count, $GPUS (without importing torch: quicker); otherwise
+# this
 # interpreter, with train_gpt.py replaced by $RUN_SH_SCRIPT if set (a worker that fails or stops)
 PYTHON = """import os, shlex, sys
 if "torch.cuda.device_count()" in " ".join(sys.argv):
@@ -156,10 +186,12 @@ def run_sh_env(bin_folder, gpus, **extra):
 
 @needs_no_gpu
 @pytest.mark.parametrize("nvidia_smi,visible,says", [
-    (NVIDIA_SMI, None, "trainer"),  # GPUs this torch cannot use: the trainer's line names them and the fix
+    # GPUs this torch cannot use: the trainer's line names them and the fix
+    (NVIDIA_SMI, None, "trainer"),
     ("import sys; sys.exit(9)", None, "run.sh"),  # nvidia-smi does not answer: no GPU
     (NVIDIA_SMI, "", "run.sh"),  # CUDA_VISIBLE_DEVICES="": the GPUs are hidden on purpose
 ], ids=["gpus_listed", "no_answer", "gpus_hidden"])
+@pytest.mark.slow
 def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visible, says, tmp_path):
     stand_in(tmp_path / "bin", "nvidia-smi", nvidia_smi)
     # torch sees no GPU
@@ -167,52 +199,58 @@ def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visib
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-    result = subprocess.run(["bash", str(REPO / "run.sh"), "--log_dir", str(tmp_path / "logs")], env=env,
-                            capture_output=True, text=True, timeout=120)
+    command = ["bash", str(REPO / "run.sh"), "--log_dir", str(tmp_path / "logs")]
+    result = run_process(command, 120, env=env)
     lines = result.stderr.splitlines()
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     if says == "trainer":
-        assert lines[-1].startswith(f"error: torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU "
-                                    "only) cannot use the 2 x NVIDIA H100 80GB HBM3 nvidia-smi lists")
+        this_torch = f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only)"
+        listed = "the 2 x NVIDIA H100 80GB HBM3 nvidia-smi lists"
+        assert lines[-1].startswith(f"error: {this_torch} cannot use {listed}")
         assert "no CUDA GPU visible" not in result.stderr
     else:
-        assert lines[-2:] == ["run.sh: no CUDA GPU visible. For a CPU smoke run (under a minute), see README.md:",
+        no_gpu = "run.sh: no CUDA GPU visible. For a CPU smoke run (under a minute), see README.md:"
+        assert lines[-2:] == [no_gpu,
                               "  python train_gpt.py --preset smoke"]
     assert not (tmp_path / "logs").exists()
 
 
 def failing_rank_under_run_sh(request):
-    """run.sh on two stand-in GPUs, rank 1 out of memory in train step 1 (tests/fail_worker.py); started at
-    session start, as it takes a while. Gives the log folder and the finished process."""
+    """run.sh on two stand-in GPUs, rank 1 out of memory in train step 1 (tests/fail_worker.py);
+    started at session start, as it takes a while. Gives the log folder and the finished process."""
     shards = request.getfixturevalue("markov_shards")
     tmp = request.getfixturevalue("tmp_path_factory").mktemp("failing_rank")
 
     def run():
         worker = f"{shlex.quote(str(REPO / 'tests' / 'fail_worker.py'))} 1"
-        env = run_sh_env(tmp / "bin", 2, RUN_SH_SCRIPT=worker)
+        env = run_sh_env(tmp / "bin", 2, RUN_SH_SCRIPT=worker,
+                         PYTHONPATH=worker_env()["PYTHONPATH"])
         options = tiny(shards, tmp / "logs", "--val_loss_every", "0")
-        result = subprocess.run(["bash", str(REPO / "run.sh"), *options], env=env,
-                                capture_output=True, text=True, timeout=300)
+        result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
         return tmp / "logs", result
     return BACKGROUND.once("failing_rank_under_run_sh", run)
 
 
+@pytest.mark.slow
 @needs_no_gpu
 @pytest.mark.background.with_args(failing_rank_under_run_sh)
 def test_under_run_sh_a_failing_rank_leaves_its_error_last_on_screen_and_in_rank_zeros_log(request):
     log_dir, result = failing_rank_under_run_sh(request).result()
-    out_of_memory = ("error: out of GPU memory with micro-batches of 128 tokens: pass --max_device_batch_size 64 "
+    out_of_memory = ("error: out of GPU memory with micro-batches of 128 tokens: "
+                     "pass --max_device_batch_size 64 "
                      "(half usually fits; the global batch and the maths stay the same)")
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == out_of_memory, result.stderr[-3000:]
-    # torchrun's own traceback and report are gone; rank 0's traceback (its all-gather lost its peer) stays
+    # torchrun's own traceback and report are gone; rank 0's traceback (its all-gather lost its
+    # peer) stays
     assert "ChildFailedError" not in result.stderr and "Root Cause" not in result.stderr
     assert "torch/distributed/run.py\", line" not in result.stderr
     # rank 0 printed nothing about it, but its log has the cause
     assert f"rank 1: {out_of_memory}" in finished_log(log_dir).read_text().splitlines()
 
 
-# a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports how it started
+# a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports
+# how it started, in a file of its own (rank.RANK, renamed into place once written)
 STOPPING_WORKER = """import os, signal, sys, time
 stops = []
 def on_signal(signum, frame):
@@ -220,7 +258,11 @@ def on_signal(signum, frame):
 hangups_ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
 for signum in [signal.SIGTERM] + [signal.SIGHUP] * (not hangups_ignored):
     signal.signal(signum, on_signal)
-print(os.environ["RANK"], hangups_ignored, os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), flush=True)
+report = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank." + os.environ["RANK"])
+with open(report + ".tmp", "w") as f:
+    timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    print(os.environ["RANK"], hangups_ignored, timeout, file=f)
+os.replace(report + ".tmp", report)
 while not stops:
     time.sleep(0.01)
 if os.environ["RANK"] == "0":
@@ -229,37 +271,52 @@ sys.exit(128 + stops[0])
 """
 
 
+def as_nohup_starts_it():
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def stopped_under_nohup(request):
+    """On the background queue: run.sh on two stand-in GPUs as nohup starts it, sent SIGHUP once
+    both workers have started, then SIGTERM. Gives each worker's report and run.sh's end."""
+    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("nohup")
+    worker = tmp_path / "worker.py"
+    worker.write_text(STOPPING_WORKER)
+    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(worker)))
+    reports = [tmp_path / "rank.0", tmp_path / "rank.1"]
+
+    def run():
+        # a session of its own: the signals reach run.sh alone, and whatever is left is killed at
+        # the end
+        with started(["bash", str(REPO / "run.sh")], env=env, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True, preexec_fn=as_nohup_starts_it) as proc:
+            deadline = time.monotonic() + 120
+            while not all(report.exists() for report in reports) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            started_as = [report.read_text().split() for report in reports if report.exists()]
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        return started_as, proc.returncode, err
+    return BACKGROUND.once("stopped_under_nohup", run)
+
+
 @needs_no_gpu
-def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(tmp_path):
-    (tmp_path / "worker.py").write_text(STOPPING_WORKER)
-    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(tmp_path / "worker.py")))
-
-    def as_nohup_starts_it():
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
-    # a session of its own: the signals reach run.sh alone, and whatever is left is killed at the end
-    proc = subprocess.Popen(["bash", str(REPO / "run.sh")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=as_nohup_starts_it, start_new_session=True)
-    try:
-        started = sorted(proc.stdout.readline().split() for _ in range(2))
-        # hang-ups stay ignored in the workers; a stop gives them 300 s (torch 2.12 and later read it)
-        assert started == [["0", "True", "300"], ["1", "True", "300"]]
-        proc.send_signal(signal.SIGHUP)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+@pytest.mark.slow
+@pytest.mark.background.with_args(stopped_under_nohup)
+def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(request):
+    started_as, returncode, err = stopped_under_nohup(request).result()
+    # hang-ups stay ignored in the workers; a stop gives them 300 s (torch 2.12 and later read it)
+    assert started_as == [["0", "True", "300"], ["1", "True", "300"]], err[-3000:]
+    assert returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.splitlines()[-1] == "stopped by SIGTERM" and "Traceback" not in err
 
 
-# a console that goes away ----------------------------------------------------------------------------------
+# a console that goes away -------------------------------------------------------------------------
 
 def test_a_console_that_goes_away_does_not_end_the_run(markov_shards, tmp_path, monkeypatch):
-    """The trainer, in this process as `python train_gpt.py` runs it, its stdout a pipe whose reader is
-    gone (a closed terminal, `| head` that has ended): the run and its log go on to the end."""
+    """The trainer, in this process as `python train_gpt.py` runs it, its stdout a pipe whose reader
+    is gone (a closed terminal, `| head` that has ended): the run and its log go on to the end."""
     read_end, write_end = os.pipe()
     os.close(read_end)
     console = os.fdopen(write_end, "w")
@@ -288,13 +345,15 @@ def test_once_the_console_has_gone_any_later_print_to_it_goes_nowhere():
 def test_rank_zero_logs_another_ranks_last_line_while_its_own_main_thread_is_stuck(monkeypatch):
     """As torchrun's store would carry it; here this test's own store, and a log that is a list."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    launched = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_RUN_ID="test")
+    launched = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                    TORCHELASTIC_RUN_ID="test")
     for name, value in launched.items():
         monkeypatch.setenv(name, value)
     lines = []
     peers = train_gpt.PeerErrors(lambda line, console: lines.append(line))
     train_gpt.post_to_rank_zero("rank 3: error: out of GPU memory")
-    # this thread only waits, as rank 0's would in a collective with a dead rank: the watch writes the line
+    # this thread only waits, as rank 0's would in a collective with a dead rank: the watch writes
+    # the line
     deadline = time.monotonic() + 10
     while not lines and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import train_gpt
-from train_gpt import GPT, Hyperparameters
+from train_gpt import GPT
+from train_gpt import Hyperparameters
 
 
 @pytest.mark.record18
@@ -17,7 +18,9 @@ def test_default_model_has_the_records_parameter_count():
     matrices = sum(p.numel() for p in model.blocks.parameters() if p.ndim == 2)
     scalars = sum(p.numel() for p in model.parameters() if p.ndim < 2)
     assert (matrices, scalars) == (82_575_360, 52)
-    assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
+    assert (
+        model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
+    )
 
 
 @pytest.mark.record18
@@ -56,7 +59,8 @@ def test_value_embeddings_reach_the_loss_only_in_their_layers():
 
 
 def test_cpu_linear_rounds_like_a_bf16_matrix_product():
-    """On CPU a bf16 CastedLinear multiplies in fp32 (fast without AVX-512); it must round where a bf16 product does."""
+    """On CPU a bf16 CastedLinear multiplies in fp32 (fast without AVX-512); it must round where a
+    bf16 product does."""
     torch.manual_seed(0)
     layer = train_gpt.CastedLinear(96, 160)
     x = torch.randn(64, 96).bfloat16().requires_grad_()
@@ -64,7 +68,8 @@ def test_cpu_linear_rounds_like_a_bf16_matrix_product():
     weight = layer.weight.detach().bfloat16().requires_grad_()
     reference = torch.nn.functional.linear(x, weight)  # PyTorch's own bf16 product
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y, reference, rtol=8e-3, atol=1e-5)  # one bf16 rounding apart at most
+    # one bf16 rounding apart at most
+    torch.testing.assert_close(y, reference, rtol=8e-3, atol=1e-5)
     g = torch.randn(64, 160).bfloat16()
     grads = torch.autograd.grad(y, (x, layer.weight), g)
     ref_grads = torch.autograd.grad(reference, (x, weight), g)
@@ -75,7 +80,8 @@ def test_cpu_linear_rounds_like_a_bf16_matrix_product():
 
 @pytest.fixture
 def dynamo_config_restored(monkeypatch):
-    """compile_regions sets dynamo's graph limit for the whole process: put it back after the test."""
+    """compile_regions sets dynamo's graph limit for the whole process: put it back after the
+    test."""
     import torch._dynamo
 
     config = torch._dynamo.config
@@ -84,6 +90,7 @@ def dynamo_config_restored(monkeypatch):
     return config
 
 
+@pytest.mark.slow
 def test_regional_compile_traces_four_block_forms_and_the_head(monkeypatch, dynamo_config_restored):
     import functools
 
@@ -91,12 +98,13 @@ def test_regional_compile_traces_four_block_forms_and_the_head(monkeypatch, dyna
 
     import train_gpt
 
-    counter = CompileCounter()  # counts the graphs Dynamo hands to the backend, then runs them eagerly
+    # counts the graphs Dynamo hands to the backend, then runs them eagerly
+    counter = CompileCounter()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
     torch._dynamo.reset()
     torch.manual_seed(0)
-    # 8 layers: blocks 0-2 and 5-6 with value embeddings, 3-4 without, 7 without attention; block 0's input
-    # is x0 itself, which Dynamo traces as a form of its own
+    # 8 layers: blocks 0-2 and 5-6 with value embeddings, 3-4 without, 7 without attention; block
+    # 0's input is x0 itself, which Dynamo traces as a form of its own
     model = GPT(1024, 8, 2, 64, bf16_embeds=False)
     for p in model.parameters():  # the zero-initialised projections would hide a skipped block
         torch.nn.init.normal_(p, std=0.05)
@@ -112,20 +120,33 @@ def test_regional_compile_traces_four_block_forms_and_the_head(monkeypatch, dyna
 
 def test_auto_options_are_on_with_cuda_and_off_on_a_cpu(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: no GPU needed
-    assert [train_gpt.switched_on(v, cuda) for v in ("auto", "true", "false")] == [True, True, False]
-    assert [train_gpt.switched_on(v, cpu) for v in ("auto", "true", "false")] == [False, True, False]
-    args = Hyperparameters(num_layers=6, num_heads=2, model_dim=64)  # fused_head_loss is "auto" by default
+    assert [train_gpt.switched_on(v, cuda) for v in ("auto", "true", "false")] == [
+        True,
+        True,
+        False,
+    ]
+    assert [train_gpt.switched_on(v, cpu) for v in ("auto", "true", "false")] == [
+        False,
+        True,
+        False,
+    ]
+    # fused_head_loss is "auto" by default
+    args = Hyperparameters(num_layers=6, num_heads=2, model_dim=64)
     with torch.device("meta"):
         assert GPT.from_args(args, cuda).fused_head_loss == (train_gpt.triton is not None)
         assert not GPT.from_args(args, cpu).fused_head_loss
-        monkeypatch.setattr(train_gpt, "triton", None)  # as on macOS and Windows: its kernel needs triton
+        # as on macOS and Windows: its kernel needs triton
+        monkeypatch.setattr(train_gpt, "triton", None)
         assert not GPT.from_args(args, cuda).fused_head_loss
 
 
-def test_regional_compile_keeps_its_forms_compiled_and_never_falls_back_silently(dynamo_config_restored):
-    """Training and evaluation trace 8 block forms, dynamo's default limit of graphs per function, past which it
-    runs the function uncompiled without a word: compile_regions gives the limit headroom and makes a form past
-    it an error."""
+@pytest.mark.slow
+def test_regional_compile_keeps_its_forms_compiled_and_never_falls_back_silently(
+    dynamo_config_restored,
+):
+    """Training and evaluation trace 8 block forms, dynamo's default limit of graphs per function,
+    past which it runs the function uncompiled without a word: compile_regions gives the limit
+    headroom and makes a form past it an error."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 

@@ -1,18 +1,24 @@
-"""Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64), and
-Muon in 2 and 3 processes against 1."""
+"""Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64),
+and Muon in 2 and 3 processes against 1."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import muon_worker
 import pytest
 import torch
+from helpers import BACKGROUND
+from helpers import kill_group
+from helpers import start_process
+from helpers import worker_env
+from muon_worker import SHAPES
+from muon_worker import STEPS
+from muon_worker import gradients
 
-import muon_worker
 import train_gpt
-from conftest import BACKGROUND, launch_env
-from muon_worker import SHAPES, STEPS, gradients
-from train_gpt import Muon, newton_schulz_wide
+from train_gpt import Muon
+from train_gpt import newton_schulz_wide
 
 
 def newton_schulz_float64(G, steps):
@@ -40,7 +46,8 @@ def newton_schulz_bf16(G, steps):
 
 
 def trainer_newton_schulz(G, steps):
-    """The trainer's iteration on one matrix, a tall one as its wide transpose, as Muon stacks it."""
+    """The trainer's iteration on one matrix, a tall one as its wide transpose, as Muon stacks
+    it."""
     tall = G.shape[0] > G.shape[1]
     X = newton_schulz_wide((G.T if tall else G).bfloat16()[None], steps)[0]
     return X.T if tall else X
@@ -51,7 +58,9 @@ def relative_error(a, b):
 
 
 @pytest.mark.record18
-@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128)], ids=["wide", "tall", "square"])
+@pytest.mark.parametrize(
+    "shape", [(64, 256), (256, 64), (128, 128)], ids=["wide", "tall", "square"]
+)
 def test_newton_schulz_matches_float64_iteration(shape):
     torch.manual_seed(0)
     G = torch.randn(shape)
@@ -86,9 +95,11 @@ def test_newton_schulz_ignores_the_scale_of_its_input():
 
 # --- Muon's batched step -----------------------------------------------------------------------
 
-# batches (3, 16, 40) (a tall matrix transposed into it) and (2, 24, 24); small, so inductor compiles fast
+# batches (3, 16, 40) (a tall matrix transposed into it) and (2, 24, 24); small, so inductor
+# compiles fast
 MIXED = [(16, 40), (40, 16), (16, 40), (24, 24), (24, 24)]
-# compiled: one stacked shape, one graph (each costs seconds of C++ compile on a CPU); eager covers two groups
+# compiled: one stacked shape, one graph (each costs seconds of C++ compile on a CPU); eager covers
+# two groups
 SHAPES_FOR = {False: MIXED, True: MIXED[:3]}
 
 
@@ -97,9 +108,12 @@ def aspect_scale(p):
 
 
 @pytest.mark.record18
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
 def test_batched_step_gives_each_matrix_its_own_iteration(compiled):
-    """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled alone."""
+    """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled
+    alone."""
     torch.manual_seed(3)
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES_FOR[compiled]]
     for i, p in enumerate(params):
@@ -109,12 +123,14 @@ def test_batched_step_gives_each_matrix_its_own_iteration(compiled):
     for p in params:
         update = -p.detach() / aspect_scale(p)
         assert relative_error(update, newton_schulz_float64(p.grad, 5)) < 0.05
-        if not compiled:  # inductor fuses the elementwise ops, rounding less often: only near float64
+        # inductor fuses the elementwise ops, rounding less often: only near float64
+        if not compiled:
             assert relative_error(update, newton_schulz_bf16(p.grad, 5)) < 1e-3
 
 
 def muon_float64(params, grads_per_step, schedule, nesterov):
-    """Muon's whole step in float64, one matrix at a time: momentum, look-ahead, iteration, scale, lr."""
+    """Muon's whole step in float64, one matrix at a time: momentum, look-ahead, iteration, scale,
+    lr."""
     params = [p.double() for p in params]
     buffers = [torch.zeros_like(p) for p in params]
     for grads, (lr, m) in zip(grads_per_step, schedule):
@@ -127,25 +143,30 @@ def muon_float64(params, grads_per_step, schedule, nesterov):
 
 @pytest.mark.record18
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
 def test_muon_step_matches_float64(compiled, nesterov):
     torch.manual_seed(4)
     shapes = SHAPES_FOR[compiled]
     start = [torch.randn(shape) for shape in shapes]
     grads_per_step = [[torch.randn(shape) for shape in shapes] for _ in range(4)]
-    schedule = [(0.05, 0.85), (0.04, 0.9), (0.03, 0.95), (0.02, 0.95)]  # the training loop sets both each step
+    # the training loop sets both each step
+    schedule = [(0.05, 0.85), (0.04, 0.9), (0.03, 0.95), (0.02, 0.95)]
     params = [torch.nn.Parameter(p.clone()) for p in start]
     muon = Muon(params, lr=1.0, momentum=0.0, nesterov=nesterov, compiled=compiled)
     for grads, (lr, m) in zip(grads_per_step, schedule):
         for group in muon.param_groups:
-            group["lr"], group["momentum"] = lr, m
+            group["lr"] = lr
+            group["momentum"] = m
         for p, g in zip(params, grads):
             p.grad = g
         muon.step()
     reference = muon_float64(start, grads_per_step, schedule, nesterov)
     for p, p0, ref in zip(params, start, reference):
         assert relative_error(p.detach() - p0, ref - p0) < 0.05  # the steps taken, to bf16 accuracy
-    # the optimiser state is the momentum alone; the stacked and gather buffers stay outside checkpoints
+    # the optimiser state is the momentum alone; the stacked and gather buffers stay outside
+    # checkpoints
     state = muon.state_dict()["state"]
     assert len(state) == len(shapes) and all(set(s) == {"momentum_buffer"} for s in state.values())
 
@@ -158,14 +179,24 @@ WORKER = Path(__file__).with_name("muon_worker.py")
 def launch_worker(out_path, nproc):
     """The worker under torchrun with gloo, the way the trainer runs."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.Popen([sys.executable, *launcher, str(WORKER), str(out_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=launch_env(OMP_NUM_THREADS="1"))
+    return start_process(
+        [sys.executable, *launcher, str(WORKER), str(out_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=worker_env(OMP_NUM_THREADS="1"),
+    )
 
 
 def run_workers(out_dir, nprocs):
-    """One launch per world size, all at once; per world size its stderr, exit code and saved result."""
+    """One launch per world size, all at once; per world size its stderr, exit code and saved
+    result."""
     runs = {n: launch_worker(out_dir / f"{n}.pt", n) for n in nprocs}
-    results = {n: run.communicate(timeout=300)[1] for n, run in runs.items()}
+    try:
+        results = {n: run.communicate(timeout=300)[1] for n, run in runs.items()}
+    finally:
+        for run in runs.values():
+            kill_group(run)
     return {n: (stderr, runs[n].returncode, out_dir / f"{n}.pt") for n, stderr in results.items()}
 
 
@@ -201,10 +232,12 @@ def test_muon_one_process_matches_plain_muon(one_process):
         torch.testing.assert_close(a, ref, rtol=0, atol=2e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.background.with_args(muon_workers)
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_muon_processes_match_one(request, one_process, nproc):
-    """Uneven shares and groups smaller than the world (see SHAPES): every matrix is still applied once."""
+    """Uneven shares and groups smaller than the world (see SHAPES): every matrix is still applied
+    once."""
     stderr, returncode, out_path = muon_workers(request).result()[nproc]
     assert returncode == 0, stderr[-3000:]
     for a, b in zip(one_process, torch.load(out_path)):
@@ -214,7 +247,8 @@ def test_muon_processes_match_one(request, one_process, nproc):
 def test_muon_groups_by_shape_and_reads_world_from_environment(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    shapes = [(32, 48), (32, 48), (32, 48), (48, 16), (16, 24), (48, 32)]  # the tall (48, 32) joins (32, 48)
+    # the tall (48, 32) joins (32, 48)
+    shapes = [(32, 48), (32, 48), (32, 48), (48, 16), (16, 24), (48, 32)]
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
     optimizer = Muon(params, lr=0.05, momentum=0.95)
     assert (optimizer.rank, optimizer.world_size) == (1, 4)

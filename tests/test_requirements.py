@@ -1,5 +1,6 @@
-"""requirements.txt pins the triton that its pinned torch's Linux wheels require, under the same marker,
-so pip can satisfy both on a Linux GPU node and skips triton where torch does (macOS, Windows)."""
+"""requirements.txt pins the triton that its pinned torch's Linux wheels require, under the same
+marker, so pip can satisfy both on a Linux GPU node and skips triton where torch does (macOS,
+Windows)."""
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,9 @@ ENVIRONMENTS = {
 
 def requirements(text):
     """{name: Requirement} for each requirement line, comments and blank lines skipped."""
-    reqs = [Requirement(line.split("#")[0]) for line in text.splitlines() if line.split("#")[0].strip()]
+    reqs = [
+        Requirement(line.split("#")[0]) for line in text.splitlines() if line.split("#")[0].strip()
+    ]
     return {r.name.lower(): r for r in reqs}
 
 
@@ -37,18 +40,26 @@ def pinned_version(req):
 
 
 def triton_pin_problem(text):
-    """None when the triton line matches the table's entry for the pinned torch, else what to fix."""
+    """None when the triton line matches the table's entry for the pinned torch, else what to
+    fix."""
     reqs = requirements(text)
     torch_version = pinned_version(reqs["torch"])
     if torch_version not in TORCH_TRITON:
-        return (f"torch {torch_version} is not in TORCH_TRITON: add the triton requirement of torch "
-                f"{torch_version}'s Linux wheel to the table, read from its METADATA")
+        return (
+            f"torch {torch_version} is not in TORCH_TRITON: add the triton requirement of torch "
+            f"{torch_version}'s Linux wheel to the table, read from its METADATA"
+        )
     triton_version, marker = TORCH_TRITON[torch_version]
     want = f"triton=={triton_version}; {marker}"
     got = reqs.get("triton")
-    if (got is None or str(got.specifier) != f"=={triton_version}"
-            or str(got.marker) != str(Marker(marker))):
-        return f"torch {torch_version}'s Linux wheel requires `{want}`; requirements.txt has `{got}`"
+    if (
+        got is None
+        or str(got.specifier) != f"=={triton_version}"
+        or str(got.marker) != str(Marker(marker))
+    ):
+        return (
+            f"torch {torch_version}'s Linux wheel requires `{want}`; requirements.txt has `{got}`"
+        )
     return None
 
 
@@ -66,16 +77,18 @@ def test_triton_required_on_linux_only(env, required):
 def test_torch_bump_without_table_entry_fails():
     text = REQUIREMENTS.read_text()
     bumped = text.replace(f"torch=={pinned_version(requirements(text)['torch'])}", "torch==9.9.0")
-    assert "add the triton requirement of torch 9.9.0's Linux wheel to the table, read from its METADATA" \
-        in triton_pin_problem(bumped)
+    missing = "add the triton requirement of torch 9.9.0's Linux wheel to the table"
+    assert f"{missing}, read from its METADATA" in triton_pin_problem(bumped)
 
 
 def test_torch_bump_with_stale_triton_fails():
     problem = triton_pin_problem('torch==2.13.0\ntriton==3.7.0; platform_system == "Linux"\n')
-    assert 'requires `triton==3.7.1; platform_system == "Linux" and python_version < "3.15"`' in problem
+    assert (
+        'requires `triton==3.7.1; platform_system == "Linux" and python_version < "3.15"`'
+        in problem
+    )
 
 
 @pytest.mark.parametrize("line", ["triton==3.7.1", 'triton==3.7.1; platform_system == "Linux"', ""])
 def test_triton_without_torchs_marker_or_missing_fails(line):
     assert triton_pin_problem(f"torch==2.13.0\n{line}\n") is not None
-

@@ -1,48 +1,39 @@
-"""Long runs survive interruption: a run stopped by a signal and resumed from its checkpoint ends with the val
-losses of the same run not interrupted (identical on 1 process, within 2e-3 across process counts), and a
-checkpoint that cannot continue the run is refused at start-up."""
+"""Long runs survive interruption: a run stopped by a signal and resumed from its checkpoint ends
+with the val losses of the same run not interrupted (identical on 1 process, within 2e-3 across
+process counts), and a checkpoint that cannot continue the run is refused at start-up."""
 import hashlib
 import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import BACKGROUND
+from helpers import REPO
+from helpers import SOURCE
+from helpers import finished_log
+from helpers import run_process
+from helpers import step_lines
+from helpers import tiny
+from helpers import val_losses
+from helpers import worker_env
 
 import train_gpt
-from conftest import REPO, finished_log, launch_env
-from test_end_to_end import SOURCE, step_lines, val_losses
 
-
-# 6 blocks of width 16 (a CPU step is mostly the 50,304-wide head), 8 steps of 256 tokens: 2 micro-batches on
-# 1 process, 1 on each of 2; validation every 2 steps, on 2 sequences
-def tiny(markov_shards, log_dir, *extra):
-    train, val, _ = markov_shards
-    return ["--preset", "smoke", "--train_files", train, "--val_files", val, "--num_layers", "6",
-            "--model_dim", "16", "--num_heads", "1", "--num_iterations", "8", "--val_loss_every", "2",
-            "--batch_size", "256", "--max_device_batch_size", "128", "--val_tokens", "256",
-            "--log_dir", str(log_dir), *extra]
+# real runs of the trainer, every test
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Steps this small gain nothing from a second thread, and lose much when other processes share cores."""
+    """Steps this small gain nothing from a second thread, and lose much when other processes share
+    cores."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def reference(markov_shards, tmp_path_factory, one_thread):
-    """The run not interrupted, in this process: its val losses and its checkpoints (every 4 steps)."""
-    log_dir = tmp_path_factory.mktemp("reference")
-    assert train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4")) == 0
-    log = finished_log(log_dir)
-    return val_losses(log), sorted((log_dir / log.stem).glob("state_step*.pt"))
 
 
 def resumed_losses(path, log_dir):
@@ -55,8 +46,9 @@ def stop_at(monkeypatch, at, *signals):
     agreed = train_gpt.CleanStop.agreed
 
     def preempted(self, step):
-        for signum in signals * (step == at):
-            signal.raise_signal(signum)
+        if step == at:
+            for signum in signals:
+                signal.raise_signal(signum)
         return agreed(self, step)
 
     monkeypatch.setattr(train_gpt.CleanStop, "agreed", preempted)
@@ -64,41 +56,55 @@ def stop_at(monkeypatch, at, *signals):
 
 def test_sigterm_on_one_process_stops_after_the_step_and_resumes_to_identical_losses(
         reference, markov_shards, tmp_path, capsys, monkeypatch):
-    expected, _ = reference
-    stop_at(monkeypatch, 3, signal.SIGTERM, signal.SIGINT)  # torchrun forwards a second signal: no effect
+    expected = reference[0]
+    # torchrun forwards a second signal: no effect
+    stop_at(monkeypatch, 3, signal.SIGTERM, signal.SIGINT)
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     args = tiny(markov_shards, tmp_path / "stopped", "--checkpoint_every", "1")
     assert train_gpt.main(args) == 128 + signal.SIGTERM
-    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # restored
+    # restored
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
     log = finished_log(tmp_path / "stopped")
     folder = log.parent / log.stem
     last = folder / "state_step000003.pt"
-    assert sorted(p.name for p in folder.iterdir()) == ["state_step000002.pt", last.name]  # the last two kept
+    # the last two kept
+    assert sorted(p.name for p in folder.iterdir()) == ["state_step000002.pt", last.name]
     stop_line = f"stopped by SIGTERM after step 3; resume with: python train_gpt.py --resume {last}"
     assert capsys.readouterr().err.splitlines()[-1] == stop_line
     text = log.read_text().splitlines()
     assert text[-1] == stop_line and text[-2].startswith("peak memory consumption: ")
     assert re.fullmatch(rf"checkpoint: {re.escape(str(last))}, \d+\.\d MiB in \d+\.\d s", text[-3])
-    assert step_lines(log)[0][-1].startswith("step:3/8 train_loss:")  # the parser takes the other lines
+    # the parser takes the other lines
+    assert step_lines(log)[0][-1].startswith("step:3/8 train_loss:")
     monkeypatch.undo()
     losses = resumed_losses(last, tmp_path / "resumed")
-    assert losses == {step: loss for step, loss in expected.items() if step >= 4} and len(losses) == 3
+    assert (
+        losses == {step: loss for step, loss in expected.items() if step >= 4} and len(losses) == 3
+    )
 
 
-def test_sigint_without_checkpoint_options_says_how_to_get_one(markov_shards, tmp_path, capsys, monkeypatch,
-                                                                one_thread):
+def test_sigint_without_checkpoint_options_says_how_to_get_one(
+    markov_shards, tmp_path, capsys, monkeypatch, one_thread
+):
     stop_at(monkeypatch, 1, signal.SIGINT)
-    assert train_gpt.main(tiny(markov_shards, tmp_path, "--val_loss_every", "0")) == 128 + signal.SIGINT
-    stop_line = ("stopped by SIGINT after step 1; no checkpoint was written (--checkpoint_every N or "
-                 "--save_checkpoint true write one)")
+    assert (
+        train_gpt.main(tiny(markov_shards, tmp_path, "--val_loss_every", "0"))
+        == 128 + signal.SIGINT
+    )
+    stop_line = (
+        "stopped by SIGINT after step 1; no checkpoint was written (--checkpoint_every N or "
+        "--save_checkpoint true write one)"
+    )
     assert capsys.readouterr().err.splitlines()[-1] == stop_line
     assert finished_log(tmp_path).read_text().splitlines()[-1] == stop_line
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # no checkpoint folder
 
 
-def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(markov_shards, tmp_path, capsys,
-                                                                          monkeypatch, one_thread):
+def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(
+    markov_shards, tmp_path, capsys, monkeypatch, one_thread
+):
     """What a closing ssh session sends; the run folder's name needs quoting in the command."""
+
     def hangup_not_handled(signum, frame):
         raise AssertionError("SIGHUP reached the handler the run started with")
 
@@ -107,7 +113,9 @@ def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(marko
     try:
         stop_at(monkeypatch, 1, signal.SIGHUP)
         log_dir = tmp_path / "Bob's runs"
-        code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4", "--val_loss_every", "0"))
+        code = train_gpt.main(
+            tiny(markov_shards, log_dir, "--checkpoint_every", "4", "--val_loss_every", "0")
+        )
     finally:
         restored = signal.signal(signal.SIGHUP, previous)
     assert code == 128 + signal.SIGHUP and restored is hangup_not_handled
@@ -120,64 +128,125 @@ def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(marko
     assert shlex.split(command) == ["python", script, "--resume", str(checkpoint)]
 
 
-def test_under_nohup_a_hang_up_does_not_stop_the_run(markov_shards, tmp_path, monkeypatch, one_thread):
+def test_under_nohup_a_hang_up_does_not_stop_the_run(
+    markov_shards, tmp_path, monkeypatch, one_thread
+):
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         stop_at(monkeypatch, 1, signal.SIGHUP)
-        code = train_gpt.main(tiny(markov_shards, tmp_path, "--num_iterations", "2", "--val_loss_every", "0"))
+        code = train_gpt.main(
+            tiny(markov_shards, tmp_path, "--num_iterations", "2", "--val_loss_every", "0")
+        )
     finally:
         signal.signal(signal.SIGHUP, previous)
     assert code == 0 and sorted(val_losses(finished_log(tmp_path))) == [2]
 
 
+def stop_under_torchrun(checkpoint, log_dir):
+    """The checkpoint resumed on 2 processes, which torchrun stops after step 6
+    (tests/stop_worker.py); gives the finished process."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    worker = str(REPO / "tests" / "stop_worker.py")
+    command = [sys.executable, *launcher, worker, "5", "--resume", str(checkpoint),
+               "--log_dir", str(log_dir)]
+    return run_process(command, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
+
+
+@pytest.fixture(scope="session")
+def reference(markov_shards, tmp_path_factory):
+    """The run not interrupted, in this process (on one thread): its val losses, its checkpoints
+    (every 4 steps), and the log folder of its step-4 checkpoint resumed under torchrun, at once, on
+    the background queue. Made once: the test that awaits torchrun runs last."""
+    log_dir = tmp_path_factory.mktemp("reference")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4"))
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    log = finished_log(log_dir)
+    checkpoints = sorted((log_dir / log.stem).glob("state_step*.pt"))
+    stopped_dir = tmp_path_factory.mktemp("stopped_under_torchrun")
+    BACKGROUND.once("stopped_under_torchrun", stop_under_torchrun, checkpoints[0], stopped_dir)
+    return val_losses(log), checkpoints, stopped_dir
+
+
+@pytest.mark.background
 def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_across_process_counts(
-        reference, tmp_path):
-    """1 -> 2 -> 1 processes: the reference's step-4 checkpoint resumed on 2 processes, which torchrun stops
-    after step 6 (tests/stop_worker.py), then that checkpoint resumed on 1 process to the end."""
-    expected, checkpoints = reference
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "stop_worker.py"), "5", "--resume", str(checkpoints[0]),
-           "--log_dir", str(tmp_path / "2")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                            env=launch_env(OMP_NUM_THREADS="1"))
-    # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers, without one
-    assert result.returncode == 1 and "SignalException: Process" in result.stderr, result.stderr[-3000:]
+        reference, tmp_path, one_thread):
+    """1 -> 2 -> 1 processes: the reference's step-4 checkpoint resumed on 2 processes, which
+    torchrun stops after step 6, then that checkpoint resumed on 1 process (here) to the end."""
+    expected, checkpoints, log_dir = reference
+    result = BACKGROUND.futures["stopped_under_torchrun"].result()
+    # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers,
+    # without one
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "SignalException: Process" in result.stderr, result.stderr[-3000:]
     assert 'train_gpt.py", line' not in result.stderr
-    log = finished_log(tmp_path / "2")
+    log = finished_log(log_dir)
     stopped = log.parent / log.stem / "state_step000006.pt"
-    stop_line = ("stopped by SIGTERM after step 6; resume with: torchrun --standalone --nproc_per_node=2 "
-                 f"train_gpt.py --resume {stopped}")
+    stop_line = (
+        "stopped by SIGTERM after step 6; resume with: torchrun --standalone --nproc_per_node=2 "
+        f"train_gpt.py --resume {stopped}"
+    )
     assert log.read_text().splitlines()[-1] == stop_line and stop_line in result.stderr.splitlines()
-    assert val_losses(log) == {4: expected[4]}  # validation at the step resumed from; none at the stop
+    # validation at the step resumed from; none at the stop
+    assert val_losses(log) == {4: expected[4]}
     # every Muon matrix's momentum, gathered from the rank that holds it
     momenta = torch.load(stopped)["muon"]
     with torch.device("meta"):
         model = train_gpt.GPT(50304, 6, 1, 16)
-    assert set(momenta) == {name for name, p in model.blocks.named_parameters(prefix="blocks") if p.ndim == 2}
+    assert set(momenta) == {
+        name for name, p in model.blocks.named_parameters(prefix="blocks") if p.ndim == 2
+    }
     losses = resumed_losses(stopped, tmp_path / "1")
     assert sorted(losses) == [6, 8]
-    for step, loss in losses.items():  # the order of float sums differs with the process count
+    # the order of float sums differs with the process count
+    for step, loss in losses.items():
         assert abs(loss - expected[step]) < 2e-3, (step, loss, expected[step])
-    assert losses[8] < expected[4] - 0.5  # not equal because nothing moved
+    # not equal because nothing moved
+    assert losses[8] < expected[4] - 0.5
 
 
 def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, tmp_path):
-    """The final checkpoint, as if written by another version of the script: resumed, it only validates."""
-    expected, checkpoints = reference
+    """The final checkpoint, as if written by another version of the script: resumed, it only
+    validates."""
+    expected, checkpoints, _ = reference
     state = torch.load(checkpoints[-1])
-    assert state["step"] == 8 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
+    assert (
+        state["step"] == 8 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
+    )
     torch.save(dict(state, source_sha256="0" * 64), tmp_path / "forked.pt")
-    assert train_gpt.main(["--resume", str(tmp_path / "forked.pt"), "--log_dir", str(tmp_path / "logs"),
-                           "--val_loss_every", "4"]) == 0
+    assert (
+        train_gpt.main(
+            [
+                "--resume",
+                str(tmp_path / "forked.pt"),
+                "--log_dir",
+                str(tmp_path / "logs"),
+                "--val_loss_every",
+                "4",
+            ]
+        )
+        == 0
+    )
     log = finished_log(tmp_path / "logs")
     lines = log.read_text().splitlines()
-    assert f"resumed from {tmp_path / 'forked.pt'} at step 8; options changed: --val_loss_every 2 -> 4, " \
-           f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines
-    assert "warning: resumed by another train_gpt.py than the one that wrote the checkpoint" in lines
+    assert (
+        f"resumed from {tmp_path / 'forked.pt'} at step 8; options changed: "
+        "--val_loss_every 2 -> 4, "
+        f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines
+    )
+    assert (
+        "warning: resumed by another train_gpt.py than the one that wrote the checkpoint" in lines
+    )
     assert val_losses(log) == {8: expected[8]}
 
 
-def flipped_byte(path, tmp_path):  # the middle of the file: tensor data (the embedding tables are most of it)
+def flipped_byte(path, tmp_path):
+    """One bit flipped in the middle of the file: tensor data (the embedding tables are most of
+    it)."""
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
     (tmp_path / "flipped.pt").write_bytes(data)
@@ -189,31 +258,51 @@ def truncated(path, tmp_path):
     return tmp_path / "truncated.pt"
 
 
-def other_dict(path, tmp_path):  # torch.save's, but not a checkpoint of this trainer
+def other_dict(path, tmp_path):
+    """torch.save's, but not a checkpoint of this trainer."""
     torch.save(dict(model=torch.load(path)["model"]), tmp_path / "weights.pt")
     return tmp_path / "weights.pt"
 
 
-@pytest.mark.parametrize("make_path,extra,words", [
-    (None, ["--num_layers", "8", "--model_dim", "32"], "--num_layers 6 -> 8, --model_dim 16 -> 32 would"),
-    (None, ["--batch_size", "512"], "--batch_size 256 -> 512 would change"),
-    (None, ["--num_iterations", "10"], "--num_iterations 8 -> 10 would change"),
-    (None, ["--train_files", "{shard}"],  # one of the two shards
-     "train shards (name:tokens) ['markov_train_000001.bin:60000', 'markov_train_000002.bin:60000'] -> "
-     "['markov_train_000001.bin:60000']"),
-    (flipped_byte, [], " fails its CRC check)"),
-    (truncated, [], "(BadZipFile: File is not a zip file)"),
-    (lambda path, tmp_path: tmp_path / "missing.pt", [], "(FileNotFoundError: "),
-    (lambda path, tmp_path: tmp_path, [], "(IsADirectoryError: "),  # a folder without checkpoints
-    (lambda path, tmp_path: next(path.parent.parent.glob("*.txt")), [], "(BadZipFile: "),  # the run's log
-    (other_dict, [], "(KeyError: 'args')"),
-])
-def test_a_checkpoint_that_cannot_continue_the_run_is_one_error_line(reference, markov_shards, tmp_path,
-                                                                    capsys, make_path, extra, words):
+@pytest.mark.parametrize(
+    "make_path,extra,words",
+    [
+        (
+            None,
+            ["--num_layers", "8", "--model_dim", "32"],
+            "--num_layers 6 -> 8, --model_dim 16 -> 32 would",
+        ),
+        (None, ["--batch_size", "512"], "--batch_size 256 -> 512 would change"),
+        (None, ["--num_iterations", "10"], "--num_iterations 8 -> 10 would change"),
+        (
+            None,
+            ["--train_files", "{shard}"],  # one of the two shards
+            "train shards (name:tokens) ['markov_train_000001.bin:60000', "
+            "'markov_train_000002.bin:60000'] -> "
+            "['markov_train_000001.bin:60000']",
+        ),
+        (flipped_byte, [], " fails its CRC check)"),
+        (truncated, [], "(BadZipFile: File is not a zip file)"),
+        (lambda path, tmp_path: tmp_path / "missing.pt", [], "(FileNotFoundError: "),
+        (
+            lambda path, tmp_path: tmp_path,
+            [],
+            "(IsADirectoryError: ",
+        ),  # a folder without checkpoints
+        # the run's log
+        (lambda path, tmp_path: next(path.parent.parent.glob("*.txt")), [], "(BadZipFile: "),
+        (other_dict, [], "(KeyError: 'args')"),
+    ],
+)
+def test_a_checkpoint_that_cannot_continue_the_run_is_one_error_line(
+    reference, markov_shards, tmp_path, capsys, make_path, extra, words
+):
     checkpoint = reference[1][0]
     path = make_path(checkpoint, tmp_path) if make_path else checkpoint
     extra = [arg.format(shard=markov_shards[0].replace("*", "000001")) for arg in extra]
     assert train_gpt.main(["--resume", str(path), "--log_dir", str(tmp_path / "logs"), *extra]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --resume {str(path)!r}") and err.count("\n") == 1 and words in err, err
+    assert (
+        err.startswith(f"error: --resume {str(path)!r}") and err.count("\n") == 1 and words in err
+    ), err
     assert not (tmp_path / "logs").exists()  # refused before anything is written

@@ -1,6 +1,6 @@
-"""The trainer starts without triton, and every input it cannot use ends in one `error:` line before step 1:
-token ids beyond the vocabulary, a shard in both train and val, a place it cannot write, a GPU that the
-installed torch cannot use."""
+"""The trainer starts without triton, and every input it cannot use ends in one `error:` line before
+step 1: token ids beyond the vocabulary, a shard in both train and val, a place it cannot write, a
+GPU that the installed torch cannot use."""
 import glob
 import os
 import subprocess
@@ -9,15 +9,20 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import LN_VOCAB, REPO, launch_env
-from test_data import run_main
+from helpers import BACKGROUND
+from helpers import LN_VOCAB
+from helpers import REPO
+from helpers import TINY_RUN
+from helpers import launch_env
+from helpers import run_main
+from helpers import run_process
 
 import train_gpt
-from train_gpt import DistributedDataLoader, UserError, load_data_shard, markov_stream, write_data_shard
-
-# one step of one 128-token sequence, validated after it
-TINY_RUN = ["--preset", "smoke", "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "128",
-            "--max_device_batch_size", "128", "--val_tokens", "128"]
+from train_gpt import DistributedDataLoader
+from train_gpt import UserError
+from train_gpt import load_data_shard
+from train_gpt import markov_stream
+from train_gpt import write_data_shard
 
 # runs train_gpt.py as a script, once per argument list, in a process where `import triton` fails
 WITHOUT_TRITON = """import runpy, sys
@@ -31,19 +36,39 @@ for argv in {runs!r}:
 """
 
 
-def test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss(tmp_path):
-    refused, trained = tmp_path / "refused", tmp_path / "trained"
-    runs = [[*TINY_RUN, "--log_dir", str(refused), "--fused_head_loss", "true"], [*TINY_RUN, "--log_dir", str(trained)]]
-    env = launch_env(OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON.format(runs=runs)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+def without_triton(request):
+    """On the background queue: the trainer refusing the fused head loss, then training, in a
+    process where `import triton` fails. Gives the two log folders and the finished process."""
+    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("without_triton")
+    refused = tmp_path / "refused"
+    trained = tmp_path / "trained"
+    runs = [[*TINY_RUN, "--log_dir", str(refused), "--fused_head_loss", "true"],
+            [*TINY_RUN, "--log_dir", str(trained)]]
+    command = [sys.executable, "-c", WITHOUT_TRITON.format(runs=runs)]
+    env = launch_env(OMP_NUM_THREADS="1")
+
+    def run():
+        return refused, trained, run_process(command, 300, cwd=REPO, env=env)
+    return BACKGROUND.once("without_triton", run)
+
+
+@pytest.mark.slow
+@pytest.mark.background.with_args(without_triton)
+def test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss(request):
+    refused, trained, result = without_triton(request).result()
     out = result.stdout
-    assert out.count("exit code") == 2 and out.rstrip().endswith("exit code 0"), result.stderr[-3000:]
+    assert out.count("exit code") == 2 and out.rstrip().endswith("exit code 0"), result.stderr[
+        -3000:
+    ]
     assert out.index("exit code 1") < out.index("step:")  # refused before any step
-    assert float(out.split("step:1/1 val_loss:")[1].split()[0]) < LN_VOCAB  # it trained: below the step-0 loss
+    # it trained: below the step-0 loss
+    assert float(out.split("step:1/1 val_loss:")[1].split()[0]) < LN_VOCAB
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr
-    assert errors[0].startswith("error: --fused_head_loss must be auto or false: triton") and "Linux only" in errors[0]
+    assert (
+        errors[0].startswith("error: --fused_head_loss must be auto or false: triton")
+        and "Linux only" in errors[0]
+    )
     assert not refused.exists() and len(list(trained.glob("*.txt"))) == 1
 
 
@@ -52,16 +77,20 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_shard_and_position(
     tokens[[637, 900]] = 50304, 65535  # the first bad one is reported
     path = tmp_path / "bad_000001.bin"
     write_data_shard(path, tokens)
-    assert load_data_shard(path).tolist() == tokens.tolist()  # one argument: loaded unchecked, as before
+    # one argument: loaded unchecked, as before
+    assert load_data_shard(path).tolist() == tokens.tolist()
     assert load_data_shard(path, 65536).tolist() == tokens.tolist()
     with pytest.raises(UserError) as info:
         load_data_shard(path, 50304)
-    assert str(info.value).startswith(f"{path}: token id 50304 at position 637 is not below --vocab_size 50304")
+    assert str(info.value).startswith(
+        f"{path}: token id 50304 at position 637 is not below --vocab_size 50304"
+    )
     assert "another tokenizer" in str(info.value) and "corrupt" in str(info.value)
 
 
 def tiny_shards(folder, split, bad_shard, bad_at=4321):
-    """Two 5,000-token shards of the Markov stream; shard bad_shard (1 or 2) holds id 50304 at bad_at."""
+    """Two 5,000-token shards of the Markov stream; shard bad_shard (1 or 2) holds id 50304 at
+    bad_at."""
     for k in (1, 2):
         tokens = markov_stream(5000, seed=k)
         if k == bad_shard:
@@ -73,51 +102,96 @@ def tiny_shards(folder, split, bad_shard, bad_at=4321):
 # the val loader reads only its first shard here (128 tokens): its second is checked all the same
 @pytest.mark.parametrize("split,bad_shard", [("train", 1), ("val", 2)])
 def test_a_bad_token_id_in_the_first_train_shard_or_any_val_shard_stops_before_step_one(
-        tmp_path, capsys, markov_shards, split, bad_shard):
-    files = {"train": markov_shards[0], "val": markov_shards[1], split: tiny_shards(tmp_path, split, bad_shard)}
-    err = run_main(capsys, *TINY_RUN, "--train_files", files["train"], "--val_files", files["val"],
-                   "--log_dir", str(tmp_path / "logs"))
-    assert err.count("\n") == 1 and f"t_{split}_{bad_shard:06d}.bin: token id 50304 at position 4,321" in err
+    tmp_path, capsys, markov_shards, split, bad_shard
+):
+    files = {
+        "train": markov_shards[0],
+        "val": markov_shards[1],
+        split: tiny_shards(tmp_path, split, bad_shard),
+    }
+    err = run_main(
+        capsys,
+        *TINY_RUN,
+        "--train_files",
+        files["train"],
+        "--val_files",
+        files["val"],
+        "--log_dir",
+        str(tmp_path / "logs"),
+    )
+    assert (
+        err.count("\n") == 1
+        and f"t_{split}_{bad_shard:06d}.bin: token id 50304 at position 4,321" in err
+    )
     assert not (tmp_path / "logs").exists()  # nothing written, nothing trained
 
 
 def test_a_later_train_shard_with_a_bad_token_id_fails_when_the_loader_reaches_it(tmp_path):
     pattern = tiny_shards(tmp_path, "train", bad_shard=2, bad_at=5)
     loader = DistributedDataLoader(pattern, 0, 1, torch.device("cpu"), vocab_size=50304)
-    firsts = [loader.next_batch(1000)[0][0].item() for _ in range(4)]  # shard 1 holds 4 batches of 1,000 (+ 2)
+    # shard 1 holds 4 batches of 1,000 (+ 2)
+    firsts = [loader.next_batch(1000)[0][0].item() for _ in range(4)]
     assert firsts == markov_stream(5000, seed=1)[0:4000:1000].tolist()
-    with pytest.raises(UserError, match="t_train_000002.bin: token id 50304 at position 5 is not below"):
+    with pytest.raises(
+        UserError, match="t_train_000002.bin: token id 50304 at position 5 is not below"
+    ):
         loader.next_batch(1000)
 
 
 def test_a_shard_matched_by_both_train_and_val_files_is_refused(tmp_path, capsys, markov_shards):
     train_shard = sorted(glob.glob(markov_shards[0]))[0]
     (tmp_path / "v_val_000000.bin").symlink_to(train_shard)  # another name, the same file
-    err = run_main(capsys, *TINY_RUN, "--train_files", markov_shards[0], "--val_files", str(tmp_path / "v_val_*.bin"),
-                   "--log_dir", str(tmp_path / "logs"))
-    assert err.startswith(f"error: {os.path.realpath(train_shard)} is matched by both --train_files and --val_files")
+    err = run_main(
+        capsys,
+        *TINY_RUN,
+        "--train_files",
+        markov_shards[0],
+        "--val_files",
+        str(tmp_path / "v_val_*.bin"),
+        "--log_dir",
+        str(tmp_path / "logs"),
+    )
+    assert err.startswith(
+        f"error: {os.path.realpath(train_shard)} is matched by both --train_files and --val_files"
+    )
     assert not (tmp_path / "logs").exists()
 
 
 # {file}: an existing file, in the way of a folder; /proc refuses new folders even to root
-@pytest.mark.parametrize("option,place,data", [
-    ("--log_dir", "{file}/logs", "shards"), ("--log_dir", "{file}/logs", "synthetic"),
-    ("--log_dir", "/proc/no_such_dir/logs", "shards"), ("--compile_cache", "{file}/cache.bin", "shards"),
-    ("--compile_cache", "/proc/no_such_dir/cache.bin", "shards")])
+@pytest.mark.parametrize(
+    "option,place,data",
+    [
+        ("--log_dir", "{file}/logs", "shards"),
+        ("--log_dir", "{file}/logs", "synthetic"),
+        ("--log_dir", "/proc/no_such_dir/logs", "shards"),
+        ("--compile_cache", "{file}/cache.bin", "shards"),
+        ("--compile_cache", "/proc/no_such_dir/cache.bin", "shards"),
+    ],
+)
 def test_a_place_that_cannot_be_written_is_one_line_before_the_model_is_built(
-        tmp_path, capsys, monkeypatch, markov_shards, option, place, data):
+    tmp_path, capsys, monkeypatch, markov_shards, option, place, data
+):
     if place.startswith("/proc") and not sys.platform.startswith("linux"):
         pytest.skip("/proc is Linux's")
     (tmp_path / "a_file").write_text("")
     place = place.format(file=tmp_path / "a_file")
     monkeypatch.setattr(train_gpt, "build_model", lambda *args: pytest.fail("the model was built"))
-    shards = ["--train_files", markov_shards[0], "--val_files", markov_shards[1]] * (data == "shards")
-    compile_on = ["--compile", "true"] * (option == "--compile_cache")  # the cache is only used when compiling
-    err = run_main(capsys, *TINY_RUN, *shards, *compile_on, "--log_dir", str(tmp_path / "logs"), option, place)
+    shards = []
+    if data == "shards":
+        shards = ["--train_files", markov_shards[0], "--val_files", markov_shards[1]]
+    # the cache is only used when compiling
+    compile_on = []
+    if option == "--compile_cache":
+        compile_on = ["--compile", "true"]
+    err = run_main(
+        capsys, *TINY_RUN, *shards, *compile_on, "--log_dir", str(tmp_path / "logs"), option, place
+    )
     assert err.startswith(f"error: {option}: cannot make or write to ") and err.count("\n") == 1
 
 
-def test_a_gpu_this_torch_cannot_use_is_one_line_with_the_fix_not_a_cpu_run(capsys, monkeypatch, markov_shards):
+def test_a_gpu_this_torch_cannot_use_is_one_line_with_the_fix_not_a_cpu_run(
+    capsys, monkeypatch, markov_shards
+):
     def nvidia_smi(command, **kwargs):
         assert command == ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
         listed = "NVIDIA H100 80GB HBM3, 535.104.05\n" * 2
@@ -126,16 +200,26 @@ def test_a_gpu_this_torch_cannot_use_is_one_line_with_the_fix_not_a_cpu_run(caps
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(subprocess, "run", nvidia_smi)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    err = run_main(capsys, *TINY_RUN, "--train_files", markov_shards[0], "--val_files", markov_shards[1])
-    assert err.count("\n") == 1 and "2 x NVIDIA H100 80GB HBM3" in err and "(driver 535.104.05)" in err
+    err = run_main(
+        capsys, *TINY_RUN, "--train_files", markov_shards[0], "--val_files", markov_shards[1]
+    )
+    assert (
+        err.count("\n") == 1 and "2 x NVIDIA H100 80GB HBM3" in err and "(driver 535.104.05)" in err
+    )
     assert f"torch {torch.__version__} (CUDA {torch.version.cuda};" in err
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126" in err
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU on purpose
     assert train_gpt.setup_device()[2] == torch.device("cpu")
 
 
-@pytest.mark.parametrize("failure", [FileNotFoundError("nvidia-smi"), subprocess.CalledProcessError(9, "nvidia-smi"),
-                                     subprocess.TimeoutExpired("nvidia-smi", 60)])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        FileNotFoundError("nvidia-smi"),
+        subprocess.CalledProcessError(9, "nvidia-smi"),
+        subprocess.TimeoutExpired("nvidia-smi", 60),
+    ],
+)
 def test_no_nvidia_smi_or_no_answer_from_it_means_no_gpu(monkeypatch, failure):
     def nvidia_smi(command, **kwargs):
         raise failure

@@ -4,9 +4,13 @@ import re
 
 import pytest
 import torch
+from helpers import LN_VOCAB
+from helpers import smoke_marked
 
 import train_gpt
-from conftest import LN_VOCAB, smoke_marked
+
+# real runs of the trainer, every test
+pytestmark = pytest.mark.slow
 
 TRAIN_LOSS = re.compile(r"^step:(\d+)/\d+ train_loss:(\d+\.\d{4}) ")
 

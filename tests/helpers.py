@@ -1,0 +1,379 @@
+"""What the tests share: where the repository is, the environment and the lifetime of the processes
+they start, the background queue, real runs of the trainer and readers of its log, shards, and the
+small runs several test files make. Fixtures and pytest's hooks are in conftest.py."""
+import atexit
+import concurrent.futures
+import contextlib
+import ctypes
+import importlib.util
+import math
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train_gpt
+
+REPO = Path(__file__).resolve().parent.parent
+# the profiling tool, which runs the trainer
+PROFILE = "records/profile_run.py"
+LN_VOCAB = math.log(50304)
+
+# CPU steps allocate logits of 100+ MB; glibc maps and zeroes each afresh, which was 40% of a smoke
+# run (page faults). Freed memory stays in the heap instead: in this process, and in every process
+# the tests start
+MALLOC_KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2 ** 31 - 1),
+               "MALLOC_TOP_PAD_": str(2 ** 28)}
+# mallopt's M_MMAP_MAX, M_TRIM_THRESHOLD and M_TOP_PAD
+MALLOPT = {"MALLOC_MMAP_MAX_": -4, "MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2}
+os.environ.update(MALLOC_KEEP)
+for name, option in MALLOPT.items():
+    ctypes.CDLL(None).mallopt(option, int(MALLOC_KEEP[name]))
+
+# The environment of every process the tests start, as it was at session start, without
+# torchrun's variables: an in-process test that sets WORLD_SIZE (monkeypatch) while a background run
+# starts must not reach that run.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT", "GROUP_RANK", "ROLE_RANK")
+SESSION_ENV = {name: value for name, value in os.environ.items()
+               if name not in LAUNCH_VARIABLES and not name.startswith("TORCHELASTIC_")}
+
+
+def launch_env(**extra):
+    """The session's environment for a started process, with `extra` set."""
+    return dict(SESSION_ENV, **extra)
+
+
+def worker_env(**extra):
+    """launch_env for the worker scripts in tests/, which import train_gpt from the repository
+    whatever the working directory."""
+    path = os.pathsep.join(filter(None, [str(REPO), SESSION_ENV.get("PYTHONPATH")]))
+    return launch_env(PYTHONPATH=path, **extra)
+
+
+# --- processes: each in a group of its own, killed whole when its test or the session ends ---
+
+LIVE_GROUPS = set()
+LIVE_LOCK = threading.Lock()
+
+
+def kill_group(process):
+    """Kill the process and everything it started (torchrun's workers, run.sh's children)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with LIVE_LOCK:
+        LIVE_GROUPS.discard(process)
+
+
+def kill_every_live_group():
+    """What a failed, stopped or timed-out test left running: killed at the end of the session."""
+    with LIVE_LOCK:
+        live = list(LIVE_GROUPS)
+    for process in live:
+        kill_group(process)
+
+
+# and whatever is still alive when this interpreter exits
+atexit.register(kill_every_live_group)
+
+
+def start_process(command, **kwargs):
+    """subprocess.Popen in a new session (so its process group can be killed whole), remembered
+    until kill_group or the end of the session."""
+    process = subprocess.Popen(command, start_new_session=True, **kwargs)
+    with LIVE_LOCK:
+        LIVE_GROUPS.add(process)
+    return process
+
+
+@contextlib.contextmanager
+def started(command, **kwargs):
+    """start_process for a `with` block; the group is killed when the block ends, however it
+    ends."""
+    process = start_process(command, **kwargs)
+    try:
+        yield process
+    finally:
+        kill_group(process)
+        process.wait()
+
+
+def run_process(command, timeout, **kwargs):
+    """subprocess.run(command, capture_output=True, text=True, timeout=timeout) whose process group
+    (torchrun's workers too) is killed when it ends, times out or the test stops."""
+    with started(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 **kwargs) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(process)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py"):
+    """Run train_gpt.py (or a tool wrapping it) as users do: plainly for one process, through
+    torchrun for several; `threads` per process, by default the cores shared out."""
+    if nproc == 1:
+        command = [sys.executable, str(REPO / script), *args]
+    else:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        command = [sys.executable, *launcher, str(REPO / script), *args]
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    env = launch_env(OMP_NUM_THREADS=str(threads))
+    return run_process(command, timeout, env=env, cwd=REPO)
+
+
+class Background:
+    """Subprocess work run once, one job at a time in a thread, so that it overlaps the in-process
+    tests (which use the other core); keyed by name. Each job's wall time is kept for the report at
+    the end of the session."""
+
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.futures = {}
+        self.seconds = {}
+        self.cpu_seconds = {}
+
+    def once(self, key, fn, *args, **kwargs):
+        if key not in self.futures:
+            self.futures[key] = self.pool.submit(self.timed, key, fn, *args, **kwargs)
+        return self.futures[key]
+
+    def timed(self, key, fn, *args, **kwargs):
+        started_at = time.perf_counter()
+        cpu_before = children_cpu_seconds()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[key] = time.perf_counter() - started_at
+            self.cpu_seconds[key] = children_cpu_seconds() - cpu_before
+
+
+def children_cpu_seconds():
+    """CPU time of this process's finished children: jobs run one at a time, so a job's share is
+    about the change over its run (a busy machine stretches wall times, less so CPU times)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+BACKGROUND = Background()
+
+
+def load_records_script(name):
+    """records/NAME.py as a module (records/ is not a package); registered first, as dataclasses
+    look their module up in sys.modules."""
+    spec = importlib.util.spec_from_file_location(f"records_{name}",
+                                                  REPO / "records" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+# Documents of one fixed random Markov chain (4 successors per token): the trainer's own synthetic
+# data, learnable to about ln 4 = 1.39 nats, far below the unigram entropy (about ln 256 = 5.5)
+markov_stream = train_gpt.markov_stream
+
+
+def unigram_entropy(tokens):
+    counts = np.bincount(tokens)
+    p = counts[counts > 0] / len(tokens)
+    return float(-(p * np.log(p)).sum())
+
+
+def stream_shards(folder, sizes):
+    """Shards whose tokens count up through the whole stream, so every slice says where it came
+    from."""
+    start = 0
+    for k, size in enumerate(sizes):
+        tokens = np.arange(start, start + size) % 50000
+        train_gpt.write_data_shard(folder / f"s_train_{k + 1:06d}.bin", tokens)
+        start += size
+    return str(folder / "s_train_*.bin")
+
+
+def corrupt(path, how):
+    """Damage a shard's header (`magic`, `version`) or cut it short (`truncated`,
+    `header_only_part`)."""
+    data = bytearray(path.read_bytes())
+    if how == "magic":
+        data[0:4] = np.int32(12345).tobytes()
+    elif how == "version":
+        data[4:8] = np.int32(7).tobytes()
+    elif how == "truncated":
+        data = data[:-10]
+    elif how == "header_only_part":
+        data = data[:100]
+    path.write_bytes(bytes(data))
+
+
+# --- small runs, and main() as users meet it ------------------------------------------------------
+
+# one step of one 128-token sequence, validated after it
+TINY_RUN = ["--preset", "smoke", "--num_iterations", "1", "--val_loss_every", "0", "--batch_size",
+            "128", "--max_device_batch_size", "128", "--val_tokens", "128"]
+
+
+def tiny(markov_shards, log_dir, *extra):
+    """6 blocks of width 16 (a CPU step is mostly the 50,304-wide head), 8 steps of 256 tokens: 2
+    micro-batches on 1 process, 1 on each of 2; validation every 2 steps, on 2 sequences."""
+    train, val, _ = markov_shards
+    return ["--preset", "smoke", "--train_files", train, "--val_files", val, "--num_layers", "6",
+            "--model_dim", "16", "--num_heads", "1", "--num_iterations", "8", "--val_loss_every",
+            "2", "--batch_size", "256", "--max_device_batch_size", "128", "--val_tokens", "256",
+            "--log_dir", str(log_dir), *extra]
+
+
+def run_main(capsys, *argv):
+    """main(argv) for a run it must refuse: exit code 1, one `error:` line on stderr, no traceback;
+    returns stderr."""
+    code = train_gpt.main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: ") and "Traceback" not in err
+    return err
+
+
+def smoke_on(tmp_path, markov_shards, *argv, train=None, val=None):
+    """main() on the smoke model with the given shards, validating on 512 tokens; returns its exit
+    code and the log folder."""
+    log_dir = tmp_path / "logs"
+    shards = ["--train_files", train or markov_shards[0], "--val_files", val or markov_shards[1]]
+    code = train_gpt.main(["--preset", "smoke", *shards, "--log_dir", str(log_dir),
+                           "--val_tokens", "512", *argv])
+    return code, log_dir
+
+
+# --- the trainer's log ----------------------------------------------------------------------------
+
+SOURCE = (REPO / "train_gpt.py").read_text()
+VAL_LINE = re.compile(
+    r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
+TRAIN_LINE = re.compile(
+    r"^step:(\d+)/(\d+) train_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(nan|\d+\.\d{2})ms$")
+# the one line besides steps
+STARTUP_LINE = re.compile(r"^startup: (\d+\.\d)s from launch to the end of step \d+")
+# and lines of options and tools: profile_run.py's report, checkpoints, a resumed run's notes, a
+# stopped run's last line, HellaSwag's scores
+OPTION_LINES = ("profile: ", "checkpoint: ", "resumed from ", "warning: resumed ", "stopped by ",
+                "hellaswag: ")
+
+
+def finished_log(log_dir):
+    """The one log a run wrote into log_dir."""
+    logs = sorted(Path(log_dir).glob("*.txt"))
+    assert len(logs) == 1, f"expected one log in {log_dir}, found {logs}"
+    return logs[0]
+
+
+def step_lines(log_path):
+    """The lines after the header; each must be a val line, a train line or the closing memory
+    line."""
+    text = log_path.read_text()
+    assert text.startswith(SOURCE), "the log must begin with the exact source of train_gpt.py"
+    rest = text[len(SOURCE):].splitlines()
+    assert rest[1] == "=" * 100
+    body = rest[rest.index("=" * 100, rest.index("hyperparameters:")) + 1:]
+    body = [line for line in body if not line.startswith(OPTION_LINES)]
+    assert re.fullmatch(r"peak memory consumption: \d+ MiB", body[-1])
+    return body[:-1], rest
+
+
+def val_losses(log_path):
+    """{step: val loss} of a log, every other step line parsed as a train line."""
+    lines, _ = step_lines(log_path)
+    losses = {}
+    for line in lines:
+        if m := VAL_LINE.match(line):
+            losses[int(m[1])] = float(m[3])
+        elif not STARTUP_LINE.match(line):
+            assert TRAIN_LINE.match(line), f"line does not parse: {line!r}"
+    return losses
+
+
+# --- smoke runs shared by the tests, on the background queue --------------------------------------
+
+def smoke_marked(*runs):
+    """A `background` mark launching SmokeRuns' runs, each (method name, args...), at session
+    start."""
+    def start(request):
+        smoke_runs = request.getfixturevalue("smoke_runs")
+        for method, *args in runs:
+            smoke_runs.launch(getattr(smoke_runs, method), *args)
+    return pytest.mark.background.with_args(start)
+
+
+class SmokeRuns:
+    """Smoke-preset runs on the Markov shards, made once per session and shared by the tests."""
+
+    def __init__(self, shards, tmp_path_factory):
+        self.train, self.val, _ = shards
+        self.tmp = tmp_path_factory
+        self.logs = {}
+        self.stdout = {}
+        self.runs = {}
+        self.launching = False
+
+    def log(self, name, nproc, *extra, script="train_gpt.py"):
+        if name not in self.runs:
+            log_dir = self.tmp.mktemp(name)
+            args = ["--preset", "smoke", "--log_dir", str(log_dir), *extra]
+            run = BACKGROUND.once(name, run_trainer, args, nproc, threads=1, script=script)
+            self.runs[name] = log_dir, run
+        if self.launching:
+            return None
+        if name not in self.logs:
+            log_dir, run = self.runs[name]
+            result = run.result()
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            self.logs[name] = finished_log(log_dir)
+            self.stdout[name] = result.stdout
+        return self.logs[name]
+
+    def launch(self, method, *args):
+        """Start a run in the background, without waiting for it."""
+        self.launching = True
+        try:
+            method(*args)
+        finally:
+            self.launching = False
+
+    def short(self, nproc):
+        """The same short run as 1 and as 2 processes on the Markov shards: 4 steps of 256 tokens, 2
+        micro-batches of 128 on 1 process, 1 on each of 2; it validates on two sequences."""
+        extra = ["--save_checkpoint", "true"] if nproc == 1 else []
+        return self.log(f"short_{nproc}proc", nproc, "--train_files", self.train, "--val_files",
+                        self.val, "--num_iterations", "4", "--val_loss_every", "2", "--batch_size",
+                        "256", "--max_device_batch_size", "128", "--val_tokens", "256", *extra)
+
+    def full(self):
+        """The whole smoke preset's training with no data named (its built-in synthetic stream);
+        validation on 2 sequences, not 8: evaluations were a third of the run."""
+        return self.log("full_1proc", 1, "--val_tokens", "1024")
+
+    def head(self, fused):
+        """Plain and fused head on 2 steps of one 128-token sequence: the interpreted kernel costs
+        about 10 ms a row of 50,304 logits. The plain run goes through records/profile_run.py (the
+        profiler does not change the maths)."""
+        if fused:
+            extra = ["--fused_head_loss", "true"]
+            script = "train_gpt.py"
+        else:
+            extra = ["--steps", "1"]
+            script = PROFILE
+        name = f"head_{'fused' if fused else 'plain'}_1proc"
+        return self.log(name, 1, "--train_files", self.train, "--val_files", self.val,
+                        "--num_layers", "6", "--num_iterations", "2", "--val_loss_every", "2",
+                        "--batch_size", "128", "--max_device_batch_size", "128", "--val_tokens",
+                        "128", *extra, script=script)

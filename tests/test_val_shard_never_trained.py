@@ -1,0 +1,62 @@
+"""The val shard is never trained on, whatever its name: a copy or a hard link of it among the train
+shards is refused before anything is written, while a train shard of the same size but other tokens
+is used (shards are compared whole)."""
+import glob
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import run_main
+
+import train_gpt
+from train_gpt import write_data_shard
+
+
+def train_folder_with(tmp_path, markov_shards, extra):
+    """The Markov train shards, copied into a folder with one more shard, made by extra(path)."""
+    folder = tmp_path / "train"
+    folder.mkdir()
+    for path in glob.glob(markov_shards[0]):
+        shutil.copy(path, folder)
+    extra(folder / "markov_train_000003.bin")
+    return str(folder / "markov_train_*.bin")
+
+
+def val_shard(markov_shards):
+    return markov_shards[1].replace("*", "000000")
+
+
+@pytest.mark.parametrize("how", ["copy", "hard link"])
+def test_a_copy_or_hard_link_of_the_val_shard_among_the_train_shards_is_refused(
+        tmp_path, capsys, markov_shards, how):
+    val = val_shard(markov_shards)
+
+    def add_the_val_shard(path):
+        if how == "copy":
+            shutil.copy(val, path)
+        else:
+            os.link(val, path)
+
+    pattern = train_folder_with(tmp_path, markov_shards, add_the_val_shard)
+    err = run_main(capsys, "--preset", "smoke", "--train_files", pattern, "--val_files",
+                   markov_shards[1], "--log_dir", str(tmp_path / "logs"))
+    assert err.count("\n") == 1 and "never train on its validation data" in err
+    same = f"error: {pattern.replace('*', '000003')} holds the same tokens as the val shard {val}"
+    assert err.startswith(same)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_train_shard_of_the_val_shards_size_but_other_tokens_is_used(tmp_path, markov_shards):
+    """A val shard of 1.2 MB, and in the train shards the same tokens but the last: shards are
+    compared whole, not by their size or their first MiB."""
+    tokens = np.arange(600_000) % 50_000
+    write_data_shard(tmp_path / "big_val_000000.bin", tokens)
+    tokens[-1] += 1
+    pattern = train_folder_with(tmp_path, markov_shards,
+                                lambda path: write_data_shard(path, tokens))
+    args = train_gpt.parse_args(["--preset", "smoke", "--train_files", pattern,
+                                 "--val_files", str(tmp_path / "big_val_*.bin")])
+    train_loader, _, _ = train_gpt.build_loaders(args, 0, 1, torch.device("cpu"), 512)
+    assert len(train_loader.files) == 3 and train_loader.sizes[2] == len(tokens)
