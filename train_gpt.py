@@ -681,9 +681,9 @@ def evaluate(model, loader, args, val_batch, window_blocks, world_size):
 def train(args, checkpoint=None):
     """One run: set-up, then validation, checkpoints, training, logging; returns the exit code."""
     rank, world_size, device = setup_device()
+    hellaswag_examples = load_hellaswag(args)
     micro_batch, accum_steps, val_batch = micro_batch_plan(args, world_size)
     train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
-    hellaswag_examples = load_hellaswag(args)
     compiled = switched_on(args.compile, device)
     stamp = compile_cache_stamp(args, world_size, device)
     cache_note = load_compile_cache_if_asked(args, compiled, stamp)
