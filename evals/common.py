@@ -9,6 +9,7 @@ import importlib.util
 import json
 import linecache
 import os
+import signal
 import stat
 import sys
 import tempfile
@@ -224,8 +225,8 @@ def print_out(text):
 
 
 def run_main(body):
-    """body() as a tool's main: its exit code, or 1 after one `error:` line; 141 and nothing more
-    when stdout's reader has gone. The process group is torn down either way."""
+    """body() as a tool's main: its exit code, or 1 after one `error:` line; 130 after Ctrl-C; 141
+    and nothing more when stdout's reader has gone. The process group is torn down either way."""
     try:
         return body()
     except EvalError as e:
@@ -233,6 +234,10 @@ def run_main(body):
         warn(line)
         tell_launcher(line)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, not a traceback, and the shell's code for it
+        warn("stopped by SIGINT")
+        return 128 + signal.SIGINT
     except BrokenPipeError:
         # what is still buffered for stdout goes nowhere, and exiting does not fail again on it
         with contextlib.suppress(OSError, ValueError):

@@ -288,6 +288,14 @@ def test_under_torchrun_the_error_line_is_left_in_its_error_file(checkpoint, dat
     assert "--top_k must be at least 0" in json.loads(error_file.read_text())["message"]["message"]
 
 
+def test_ctrl_c_in_a_tool_is_one_line_and_130(checkpoint, data, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hellaswag, "score", interrupted)
+    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 130
+    assert capsys.readouterr() == ("", "stopped by SIGINT\n")
+
+
 # --- a stop signal during the trainer's HellaSwag -------------------------------------------------
 
 @pytest.mark.slow
