@@ -104,24 +104,30 @@ def test_leftover_torchrun_variables_are_one_line_on_every_tool(checkpoint, data
 
 @contextlib.contextmanager
 def named_pipe(path):
-    """A named pipe at path, with a writer waiting for a reader; yields a dict whose "opened" says,
-    after the block, whether anything opened the pipe to read it."""
+    """A named pipe at path, and a writer that serves every reader that opens it (each then sees
+    it end at once); yields a dict whose "readers", after the block, counts them."""
     os.mkfifo(path)
-    seen = dict(opened=False)
+    seen = dict(readers=0)
+    done = threading.Event()
 
     def writer():
-        # blocks until a reader opens the pipe; the reader then sees it end at once
-        os.close(os.open(path, os.O_WRONLY))
+        while True:
+            # blocks until a reader opens the pipe
+            os.close(os.open(path, os.O_WRONLY))
+            seen["readers"] += 1
+            if done.is_set():
+                return
     thread = threading.Thread(target=writer, daemon=True)
     thread.start()
     try:
         yield seen
     finally:
-        seen["opened"] = not thread.is_alive()
-        # release the writer, whatever happened
+        # release the writer with a reader of our own
+        done.set()
         reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         thread.join(10)
         os.close(reader)
+        seen["readers"] -= 1
 
 
 def test_a_named_pipe_is_refused_without_being_opened(checkpoint, data, tmp_path, capsys):
@@ -133,7 +139,7 @@ def test_a_named_pipe_is_refused_without_being_opened(checkpoint, data, tmp_path
         with named_pipe(pipe) as seen:
             codes = run(pipe)
             errors = capsys.readouterr().err.splitlines()
-        assert not seen["opened"], f"{name}: the pipe was opened"
+        assert seen["readers"] == 0, f"{name}: the pipe was opened"
         assert set(codes) == {1} and len(errors) == len(codes)
         assert all(e.startswith("error: ") and str(pipe) in e and "not a regular file" in e
                    for e in errors), errors
