@@ -360,9 +360,11 @@ def two_process_hellaswag(request):
         def run():
             processes = []
             for rank in range(2):
+                # torchrun's agent sets TORCHELASTIC_RUN_ID too: without it, the variables would
+                # be leftovers, refused
                 env = launch_env(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
                                  WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                 MASTER_PORT=str(port))
+                                 MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="two_processes")
                 processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                                   stderr=subprocess.PIPE, text=True))
             outputs = [process.communicate(timeout=600) for process in processes]
