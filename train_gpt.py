@@ -720,16 +720,16 @@ UNTIMED_STEPS = 10
 def train(args, checkpoint=None):
     """One run: set-up, then validation, checkpoints, training, logging; returns the exit code."""
     rank, world_size, device = setup_device()
+    hellaswag_examples = load_hellaswag(args)
     micro_batch, accum_steps, val_batch = micro_batch_plan(args, world_size)
     train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
-    hellaswag_examples = load_hellaswag(args)
     compiled = switched_on(args.compile, device)
     stamp = compile_cache_stamp(args, world_size, device)
     cache_note = load_compile_cache_if_asked(args, compiled, stamp)
     if world_size > 1:
         start_process_group(device)
     master = (rank == 0)
-    with (RunLog(args, master) as log, out_of_memory_as_error(micro_batch),
+    with (RunLog(args, master, hellaswag_examples) as log, out_of_memory_as_error(micro_batch),
           CleanStop(world_size, log) as stop):
         log.header(args, world_size, device, train_loader, val_loader, passes, cache_note)
         model, train_model, adam, muon = build_model(args, device, world_size, compiled, log)
@@ -808,7 +808,7 @@ def train(args, checkpoint=None):
                 log(startup_report(args, compiled, stamp, master, step + 1))
         train_losses.write(wait=True)
         if hellaswag_examples and not stopping:
-            run_hellaswag(hellaswag_examples, args, log, model, device, rank, world_size)
+            stopping, stop_signal = run_hellaswag(hellaswag_examples, args, log, model, stop)
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
         if stopping or log.failure:
             log_stop(log, stop_signal, step, saved, world_size)
@@ -1519,7 +1519,7 @@ class RunLog(contextlib.AbstractContextManager):
     line that cannot be written (a full disk) closes the file and sets `failure`: the ranks then
     stop as on a signal (CleanStop), and the line saying so goes to stderr. With several processes,
     rank 0's log also gets the last line of any other rank that fails (PeerErrors)."""
-    def __init__(self, args, master):
+    def __init__(self, args, master, hellaswag=None):
         self.file = None
         self.peers = None
         self.lock = threading.Lock()
@@ -1538,7 +1538,8 @@ class RunLog(contextlib.AbstractContextManager):
             try:
                 self.file = open(self.path, "w")
                 to_console(f"logging to {self.path}")
-                self.file.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+                scorer_source = hellaswag.source if hellaswag else ""
+                self.file.write(f"{Path(__file__).read_text()}{scorer_source}\n{'=' * 100}\n")
                 self.file.flush()
             except OSError as e:
                 self.close()
@@ -1832,7 +1833,9 @@ def startup_report(args, compiled, stamp, master, step):
 STOP_CHECK_EVERY = 5
 # the stop flag, above every signal number, when rank 0 cannot write its log
 LOG_WRITE_FAILED = 256
-SOURCE_SHA256 = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+# this file, read once: checkpoints carry it, and evals/ build their model from it
+SOURCE = Path(__file__).read_bytes()
+SOURCE_SHA256 = hashlib.sha256(SOURCE).hexdigest()
 
 def stop_if_diverged(val_loss, step):
     # every rank sees the same reduced loss, so all stop here
@@ -2037,7 +2040,8 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
     timing = (train_time_ms if timed_steps else 0.0, timed_steps)
     state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
                  loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
-                 source_sha256=SOURCE_SHA256, train_shards=train_shards(args, train_loader))
+                 source=SOURCE, source_sha256=SOURCE_SHA256,
+                 train_shards=train_shards(args, train_loader))
     tmp = temp_path(path)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -2077,30 +2081,32 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
     return path
 
 # --------------------------------------------------------------------------------------------------
-# HellaSwag after the last step (--hellaswag): evals/hellaswag.py, imported only when asked
+# HellaSwag after the last step (--hellaswag): evals/hellaswag.py, imported only when asked, is
+# handed this file's model and end-of-text id (it imports nothing of this file)
 
 def load_hellaswag(args):
-    """With --hellaswag, its examples, read and tokenised now: a bad file or tokenizer fails
-    before anything is written, not after the run."""
+    """With --hellaswag, its scorer with the examples read and tokenised now: evals/ missing (it
+    must be beside this script), a bad file or tokenizer fails before anything is written."""
     if not args.hellaswag:
         return None
-    from evals import hellaswag
     try:
-        return hellaswag.prepare(args.hellaswag_data or None, args.tokenizer or None,
-                                 data_option="--hellaswag_data")
+        from evals import hellaswag
+        return hellaswag.ForTrainer(args.hellaswag_data or None, args.tokenizer or None, EOT)
+    except ImportError as e:
+        raise UserError(f"--hellaswag needs the repository's evals/ and data/ folders beside this "
+                        f"script, in {Path(__file__).resolve().parent} ({e})") from None
     except hellaswag.EvalError as e:
         raise UserError(f"--hellaswag: {e}") from None
 
-def run_hellaswag(examples, args, log, model, device, rank, world_size):
-    """The trained model's HellaSwag scores into the log, outside train time: each rank scores its
-    share of the examples with the window the training ended with."""
-    from evals import hellaswag
-    rendered, labels = examples
+def run_hellaswag(scorer, args, log, model, stop):
+    """The trained model's HellaSwag scores into the log, outside train time, each rank scoring its
+    share with the window the training ended with; (stopping, the signal): a stop signal ends it
+    with no score, as it ends training."""
     window_blocks = window_blocks_at(args.num_iterations, args)
-    scores = hellaswag.evaluate(model, rendered, labels, window_blocks, device, rank, world_size)
-    acc_norm, acc, n, details = scores
-    log(details)
-    log(hellaswag.result_line(acc_norm, acc, n))
+    lines, stop_signal = scorer.score(model, window_blocks, should_stop=lambda: stop.received)
+    for line in lines:
+        log(line)
+    return stop_signal != 0, stop_signal
 
 # --------------------------------------------------------------------------------------------------
 # Arguments and main

@@ -18,13 +18,19 @@ commit, downloaded once into data/hellaswag/ and checked against the git blob id
 it, so that a bad download is an error, not a wrong score. --data FILE reads a local JSON Lines
 file in HellaSwag's format (ctx, endings, label; other fields are ignored). The last line printed
 is `hellaswag: acc_norm=... acc=... n=...`; the line before it says how long the scoring took.
+
+The model is the checkpoint's own: built by the trainer whose source the checkpoint carries (see
+evals/common.py), whose end-of-text id and block size the scoring uses. The trainer's --hellaswag
+hands over its own model and end-of-text id instead (ForTrainer), and its log embeds this file's
+source and common.py's after its own.
 """
-import argparse
 import copy
 import hashlib
+import http.client
 import json
 import math
 import os
+import socket
 import sys
 import time
 import urllib.request
@@ -37,8 +43,6 @@ import torch.nn.functional as F
 # the repository: train_gpt.py and evals/
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from evals import common  # noqa: E402
-from evals.common import BLOCK_SIZE  # noqa: E402
-from evals.common import EOT  # noqa: E402
 from evals.common import EvalError  # noqa: E402
 
 # hellaswag_val.jsonl at the last commit of github.com/rowanz/hellaswag (the same in every commit)
@@ -69,11 +73,13 @@ def download(path=CACHED, url=URL, blob_id=GIT_BLOB_ID, data_option="--data"):
     try:
         with urllib.request.urlopen(url, timeout=60) as response:
             data = response.read()
-    # URLError and HTTPError are OSErrors
-    except (OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
+    # URLError and HTTPError are OSErrors; a connection cut midway is an IncompleteRead (an
+    # HTTPException), or a reset (an OSError)
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
         raise EvalError(f"cannot download HellaSwag from {url} ({reason}); offline, pass "
-                        f"{data_option} FILE, a copy of hellaswag_val.jsonl") from None
+                        f"{data_option} FILE, a copy of hellaswag_val.jsonl; nothing was "
+                        "saved") from None
     got = git_blob_id(data)
     if got != blob_id:
         raise EvalError(f"the download from {url} is not HellaSwag's validation file "
@@ -81,7 +87,8 @@ def download(path=CACHED, url=URL, blob_id=GIT_BLOB_ID, data_option="--data"):
                         f"nothing was saved: run again, or pass {data_option} FILE")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        # host and process: two nodes that share the folder never write the same temp file
+        temporary = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
         temporary.write_bytes(data)
         os.replace(temporary, path)
     except OSError as e:
@@ -94,18 +101,23 @@ def read_examples(path, limit=None, data_option="--data"):
     """(context, endings, label) of the examples in a HellaSwag JSON Lines file; the first
     `limit` ones."""
     examples = []
+    common.regular_file(path, data_option)
     try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        # bytes, decoded line by line: a bad byte is reported with its line
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
                 if limit is not None and len(examples) == limit:
                     break
+                where = f"{data_option} {path}, line {number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise EvalError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of "
+                                    "the line), so not a JSON Lines file") from None
                 if line.strip():
-                    examples.append(parse_example(line, f"{path}, line {number}"))
+                    examples.append(parse_example(line, where))
     except OSError as e:
         raise EvalError(f"{data_option} {path}: cannot read it ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise EvalError(f"{data_option} {path}: not UTF-8 text ({e.reason} at byte {e.start}), "
-                        "so not a JSON Lines file") from None
     if not examples:
         raise EvalError(f"{data_option} {path}: no examples in it")
     return examples
@@ -133,12 +145,15 @@ def parse_example(line, where):
     return context, endings, label
 
 
-def render(examples, tokenizer):
-    """Per example, its candidates: the tokens of the document (50256, the context, " " + the
-    ending), and where the ending starts."""
+def render(examples, tokenizer, eot=None):
+    """Per example, its candidates: the tokens of the document (eot, the context, " " + the
+    ending), and where the ending starts. eot: the trainer's end-of-text id (by default the
+    tokenizer's, GPT-2's 50256)."""
+    if eot is None:
+        eot = tokenizer.eot_token
     rendered = []
     for context, endings, _ in examples:
-        start = [EOT, *tokenizer.encode_ordinary(context)]
+        start = [eot, *tokenizer.encode_ordinary(context)]
         candidates = []
         for ending in endings:
             candidates.append((start + tokenizer.encode_ordinary(" " + ending), len(start)))
@@ -146,19 +161,19 @@ def render(examples, tokenizer):
     return rendered
 
 
-def pack(lengths, sequence_length, window_blocks):
+def pack(lengths, sequence_length, window_blocks, block_size):
     """(sequence, offset) of documents of these lengths, in order: none crosses the end of a
-    sequence, and none spans more than window_blocks blocks (one that would starts at the next
-    block instead), so that each sees all of itself."""
+    sequence, and none spans more than window_blocks blocks of block_size tokens (one that would
+    starts at the next block instead), so that each sees all of itself."""
     places = []
     sequence = 0
     offset = 0
     for length in lengths:
-        assert length <= min(sequence_length, window_blocks * BLOCK_SIZE)
-        first_block = offset // BLOCK_SIZE
-        last_block = (offset + length - 1) // BLOCK_SIZE
+        assert length <= min(sequence_length, window_blocks * block_size)
+        first_block = offset // block_size
+        last_block = (offset + length - 1) // block_size
         if last_block - first_block >= window_blocks:
-            offset = math.ceil(offset / BLOCK_SIZE) * BLOCK_SIZE
+            offset = math.ceil(offset / block_size) * block_size
         if offset + length > sequence_length:
             sequence += 1
             offset = 0
@@ -168,19 +183,25 @@ def pack(lengths, sequence_length, window_blocks):
 
 
 @torch.no_grad()
-def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LENGTH):
+def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LENGTH,
+          should_stop=None):
     """Each candidate's summed loss over its ending and the ending's token count (float64, on the
-    CPU), and how they were packed: (sums, counts, sequences, tokens, window in blocks)."""
+    CPU), and how they were packed: (sums, counts, sequences, tokens, window in blocks); None as
+    soon as should_stop() is true, checked before each sequence."""
+    # the constants of the trainer that built the model
+    trainer = common.trainer_of(model)
+    eot = trainer.EOT
+    block_size = trainer.BLOCK_SIZE
     # a copy in fp32 (the bf16 tables cast, so every activation is fp32): packing then changes only
     # fp32 rounding, where bf16's, each candidate at another position, could flip a close call
     model = copy.deepcopy(model).float()
     lengths = [len(tokens) for tokens, _ in candidates]
-    blocks = math.ceil(max(lengths) / BLOCK_SIZE)
+    blocks = math.ceil(max(lengths) / block_size)
     # one longer than the trained window is scored whole, with a wider window: the others' scores
     # stay the same, as they lie within the narrower one
     window_blocks = max(window_blocks, blocks)
-    sequence_length = max(sequence_length, blocks * BLOCK_SIZE)
-    places = pack(lengths, sequence_length, window_blocks)
+    sequence_length = max(sequence_length, blocks * block_size)
+    places = pack(lengths, sequence_length, window_blocks, block_size)
     window = torch.tensor(window_blocks, dtype=torch.int32, device=device)
     sums = torch.zeros(len(candidates), dtype=torch.float64)
     ending_lengths = [len(tokens) - start for tokens, start in candidates]
@@ -189,11 +210,13 @@ def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LEN
     for i, (sequence, offset) in enumerate(places):
         members[sequence].append((i, offset))
     for sequence in members:
+        if should_stop and should_stop():
+            return None
         # the last sequence may be shorter: whole blocks up to its last token
         i, offset = sequence[-1]
-        used = math.ceil((offset + len(candidates[i][0])) / BLOCK_SIZE) * BLOCK_SIZE
-        # padding: lone 50256s, each a document of its own, after the real tokens
-        tokens = torch.full((used,), EOT, dtype=torch.int64)
+        used = math.ceil((offset + len(candidates[i][0])) / block_size) * block_size
+        # padding: lone eots, each a document of its own, after the real tokens
+        tokens = torch.full((used,), eot, dtype=torch.int64)
         rows = []
         owners = []
         for i, offset in sequence:
@@ -224,22 +247,47 @@ def correct_counts(rendered, labels, sums, counts):
     return by_mean, by_sum
 
 
-def prepare(data=None, tokenizer_file=None, limit=None, data_option="--data"):
-    """The examples, rendered, and their labels: from data (a JSON Lines file), or HellaSwag's
-    validation set, downloaded once."""
+def read(data=None, limit=None, data_option="--data"):
+    """The examples, from data (a JSON Lines file), or HellaSwag's validation set, downloaded
+    once."""
     path = Path(data) if data else download(data_option=data_option)
     examples = read_examples(path, limit, data_option)
     if not data and limit is None and len(examples) != EXAMPLES:
         raise EvalError(f"{path}: {len(examples):,} examples, not HellaSwag's {EXAMPLES:,}: "
                         "delete it and run again")
+    return examples
+
+
+def prepare(data=None, tokenizer_file=None, limit=None, data_option="--data", eot=None):
+    """The examples (see read), rendered with eot (see render), and their labels."""
+    examples = read(data, limit, data_option)
     labels = [label for _, _, label in examples]
-    return render(examples, common.encoding(tokenizer_file)), labels
+    return render(examples, common.encoding(tokenizer_file), eot), labels
 
 
-def evaluate(model, rendered, labels, window_blocks, device, rank=0, world_size=1,
-             sequence_length=SEQUENCE_LENGTH):
+class Stopped(Exception):
+    """A stop ended the scoring before its end: no score. signal: the stop's signal number, the
+    same on every rank."""
+
+    def __init__(self, signal):
+        super().__init__(f"stopped by signal {signal}")
+        self.signal = signal
+
+
+def evaluate(model, rendered, labels, window_blocks, device=None, rank=None, world_size=None,
+             sequence_length=SEQUENCE_LENGTH, should_stop=None):
     """(acc_norm, acc, n, a line on what was scored in what time). Rank r scores examples r,
-    r + world_size, ...; the counts are summed over the ranks, so every rank must call it."""
+    r + world_size, ...; the counts are summed over the ranks, so every rank must call it. device:
+    by default the model's; rank and world size: by default the process group's. should_stop: a
+    callable giving a stop signal's number or 0, checked before each sequence; when it gave one
+    on any rank, every rank raises Stopped after the last collective, and nothing is scored."""
+    if device is None:
+        device = next(model.parameters()).device
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    block_size = common.trainer_of(model).BLOCK_SIZE
     started = time.perf_counter()
     mine = slice(rank, None, world_size)
     candidates = [c for example in rendered[mine] for c in example]
@@ -247,17 +295,29 @@ def evaluate(model, rendered, labels, window_blocks, device, rank=0, world_size=
     sequences = 0
     tokens = 0
     window = window_blocks
+    stop_signal = 0
     if candidates:
-        sums, counts, sequences, tokens, window = score(model, candidates, window_blocks, device,
-                                                        sequence_length)
-        correct[:2] = torch.tensor(correct_counts(rendered[mine], labels[mine], sums, counts))
-        correct[2] = len(labels[mine])
+        scores = score(model, candidates, window_blocks, device, sequence_length, should_stop)
+        if scores is None:
+            stop_signal = should_stop()
+        else:
+            sums, counts, sequences, tokens, window = scores
+            correct[:2] = torch.tensor(correct_counts(rendered[mine], labels[mine], sums, counts))
+            correct[2] = len(labels[mine])
+    elif should_stop:
+        stop_signal = should_stop()
     if world_size > 1:
         correct = correct.to(device)
         dist.all_reduce(correct)
+        # every rank stops if one did
+        flag = torch.tensor(stop_signal, device=device)
+        dist.all_reduce(flag, dist.ReduceOp.MAX)
+        stop_signal = int(flag)
+    if stop_signal:
+        raise Stopped(stop_signal)
     by_mean, by_sum, n = correct.tolist()
     seconds = time.perf_counter() - started
-    longest = max(sequence_length, window * BLOCK_SIZE)
+    longest = max(sequence_length, window * block_size)
     details = (f"hellaswag: {n:,} examples in {seconds:.1f} s on {world_size} x {device.type} "
                f"(rank {rank}: {len(candidates):,} candidates, {tokens:,} tokens in {sequences} "
                f"sequences of up to {longest:,})")
@@ -271,8 +331,44 @@ def result_line(acc_norm, acc, n):
     return f"hellaswag: acc_norm={acc_norm:.4f} acc={acc:.4f} n={n}"
 
 
+def logged_source():
+    """The source of the code that scores (this file, common.py, the tokenizer's), each after a
+    line that names it: what the trainer's log embeds after its own source."""
+    parts = []
+    for path in (Path(__file__), Path(common.__file__), Path(common.gpt2_tokenizer.__file__)):
+        path = path.resolve()
+        name = path.relative_to(common.REPO).as_posix()
+        parts.append(f"\n{'-' * 100}\n# {name}, which scored --hellaswag\n{path.read_text()}")
+    return "".join(parts)
+
+
+class ForTrainer:
+    """The trainer's --hellaswag: the examples, read and rendered with the trainer's end-of-text id
+    at its start-up (a bad file fails before anything is written), and the source of the code
+    that scores them, which its log embeds after its own."""
+
+    def __init__(self, data, tokenizer_file, eot):
+        self.rendered, self.labels = prepare(data, tokenizer_file, data_option="--hellaswag_data",
+                                             eot=eot)
+        self.source = logged_source()
+
+    def score(self, model, window_blocks, should_stop):
+        """The trainer's model scored by every rank (its share): the lines for the log and 0, or
+        no lines and the signal of a stop that should_stop() gave on any rank (no partial score)."""
+        try:
+            acc_norm, acc, n, details = evaluate(model, self.rendered, self.labels, window_blocks,
+                                                 should_stop=should_stop)
+        except Stopped as stopped:
+            return [], stopped.signal
+        return [details, result_line(acc_norm, acc, n)], 0
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    return common.run_main(lambda: run(argv))
+
+
+def run(argv):
+    parser = common.ArgumentParser(
         description="Zero-shot HellaSwag accuracy of a train_gpt.py checkpoint.")
     parser.add_argument("checkpoint", help="a checkpoint that train_gpt.py wrote (state_step*.pt)")
     parser.add_argument("--data", help="a JSON Lines file in HellaSwag's format (default: "
@@ -281,27 +377,31 @@ def main(argv=None):
     parser.add_argument("--tokenizer", help="a tiktoken ranks file of GPT-2's BPE, for offline "
                         "use (default: tiktoken's own, downloaded once)")
     parser.add_argument("--sequence_length", type=int, default=SEQUENCE_LENGTH,
-                        help="tokens per forward, a multiple of 128 (default: %(default)s)")
+                        help="tokens per forward, a multiple of the model's block size, 128 "
+                        "(default: %(default)s)")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
-        parser.error(f"--limit must be at least 1, got {args.limit}")
-    if args.sequence_length < BLOCK_SIZE or args.sequence_length % BLOCK_SIZE:
-        parser.error(f"--sequence_length must be a positive multiple of {BLOCK_SIZE}, got "
-                     f"{args.sequence_length}")
-
-    def body():
-        rank, world_size, device = common.start_processes()
-        # the data first: it is quicker to check than a checkpoint is to load
-        rendered, labels = prepare(args.data, args.tokenizer, args.limit)
-        model, options = common.load_model(args.checkpoint, device)
-        window_blocks = common.trained_window_blocks(options)
-        acc_norm, acc, n, details = evaluate(model, rendered, labels, window_blocks, device, rank,
-                                             world_size, args.sequence_length)
-        if rank == 0:
-            print(details)
-            print(result_line(acc_norm, acc, n))
-        return 0
-    return common.run_main(body)
+        raise EvalError(f"--limit must be at least 1, got {args.limit}")
+    if args.sequence_length < 1:
+        raise EvalError(f"--sequence_length must be a positive multiple of the model's block "
+                        f"size, got {args.sequence_length}")
+    # the data first: it is quicker to check than a checkpoint is to load
+    examples = read(args.data, args.limit)
+    tokenizer = common.encoding(args.tokenizer)
+    trainer, checkpoint = common.open_checkpoint(args.checkpoint)
+    rank, world_size, device = common.start_processes(trainer)
+    if args.sequence_length % trainer.BLOCK_SIZE:
+        raise EvalError(f"--sequence_length must be a positive multiple of the model's block "
+                        f"size, {trainer.BLOCK_SIZE}, got {args.sequence_length}")
+    model, options = common.build_model(trainer, checkpoint, args.checkpoint, device)
+    rendered = render(examples, tokenizer, trainer.EOT)
+    labels = [label for _, _, label in examples]
+    window_blocks = common.trained_window_blocks(options)
+    acc_norm, acc, n, details = evaluate(model, rendered, labels, window_blocks, device, rank,
+                                         world_size, args.sequence_length)
+    if rank == 0:
+        common.print_out(f"{details}\n{result_line(acc_norm, acc, n)}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -63,9 +63,11 @@ def tiny_model(dtype=torch.float64, seed=0):
 
 
 def write_checkpoint(path, model):
-    """The entries of the trainer's checkpoints that the tools read: the weights and the options."""
+    """The entries of the trainer's checkpoints that the tools read: the weights, the options and
+    the trainer's source."""
     options = train_gpt.Hyperparameters(num_layers=6, num_heads=2, model_dim=32, bf16_embeds=False)
-    torch.save(dict(step=1, model=model.state_dict(), args=asdict(options)), path)
+    torch.save(dict(step=1, model=model.state_dict(), args=asdict(options),
+                    source=train_gpt.SOURCE), path)
     return path
 
 
@@ -119,8 +121,8 @@ def reference_counts(model, examples, tokenizer):
 def test_packing_keeps_each_document_within_the_window_and_the_sequence():
     # window 1: 100 at 100 would span blocks 0-1, so it starts at 128; 60 at 228 would span 1-2: at
     # 256; 120 at 316 would span 2-3, and at 384 it would end past the sequence: the next sequence
-    assert hellaswag.pack([100, 100, 60, 120], 384, 1) == [(0, 0), (0, 128), (0, 256), (1, 0)]
-    assert hellaswag.pack([100, 100, 60], 512, 2) == [(0, 0), (0, 100), (0, 200)]
+    assert hellaswag.pack([100, 100, 60, 120], 384, 1, 128) == [(0, 0), (0, 128), (0, 256), (1, 0)]
+    assert hellaswag.pack([100, 100, 60], 512, 2, 128) == [(0, 0), (0, 100), (0, 200)]
 
 
 @pytest.mark.slow
@@ -137,7 +139,7 @@ def test_packed_scores_equal_each_candidate_scored_alone_in_float64():
     sums, counts, sequences, tokens, window = hellaswag.score(model, candidates, 1, CPU, 512)
     assert model.embed.weight.dtype == torch.bfloat16  # the model given is left as it was
     lengths = [len(t) for t, _ in candidates]
-    places = hellaswag.pack(lengths, 512, 2)
+    places = hellaswag.pack(lengths, 512, 2, 128)
     ends = [offset + n for (_, offset), n in zip(places, lengths)]
     moved = [b for a, b, end in zip(places, places[1:], ends) if b[1] and b[1] != end]
     # widened, in several sequences, some candidates moved to a block's start
@@ -369,9 +371,11 @@ def two_process_hellaswag(request):
         def run():
             processes = []
             for rank in range(2):
+                # torchrun's agent sets TORCHELASTIC_RUN_ID too: without it, the variables would
+                # be leftovers, refused
                 env = launch_env(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
                                  WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                 MASTER_PORT=str(port))
+                                 MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="two_processes")
                 processes.append(start_process(command, env=env, stdout=subprocess.PIPE,
                                                stderr=subprocess.PIPE, text=True))
             try:

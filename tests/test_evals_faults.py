@@ -1,0 +1,335 @@
+"""evals/ start like the trainer, and the trainer's --hellaswag stops like its training: torchrun's
+variables left over, files that are not regular (a named pipe, /dev/zero, a folder), options out of
+range, a closed stdout, a download cut midway, a bad byte in a data file, torchrun's error file, a
+stop signal during the HellaSwag after training. Each case is checked against what the user is
+left with: the exit code, the last line, stdout, the files.
+
+    python -m pytest tests/test_evals_faults.py -q
+"""
+import contextlib
+import http.server
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import asdict
+
+import pytest
+import tiktoken
+import torch
+from conftest import REPO
+from conftest import finished_log
+from conftest import launch_env
+
+import train_gpt
+from evals import common
+from evals import hellaswag
+from evals import sample
+
+RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
+# a token per byte, 50256, and ids 256 to 50255 that decode (to 4 bytes) but that no text encodes to
+STAND_IN = tiktoken.Encoding(
+    "bytes", pat_str=r"[\s\S]", special_tokens={"<|endoftext|>": train_gpt.EOT},
+    mergeable_ranks={**{bytes([i]): i for i in range(256)},
+                     **{b"\xff\xff" + i.to_bytes(2, "big"): i for i in range(256, train_gpt.EOT)}})
+EXAMPLE = json.dumps(dict(ctx="A man", endings=["sat.", "ran."], label=0)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A small random model of the trainer, saved as the trainer saves it (its source included)."""
+    torch.manual_seed(0)
+    options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=16, bf16_embeds=False)
+    model = train_gpt.GPT.from_args(options)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, p.size(1) ** -0.5)
+    path = tmp_path_factory.mktemp("faults") / "state.pt"
+    torch.save(dict(step=1, model=model.state_dict(), args=asdict(options),
+                    source=train_gpt.SOURCE), path)
+    return path
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text(EXAMPLE * 2)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def stand_in_tokenizer(monkeypatch):
+    monkeypatch.setattr(common.gpt2_tokenizer, "gpt2_encoding",
+                        lambda tokenizer_file=None: STAND_IN)
+
+
+def one_error_line(capsys):
+    """The one line on stderr (an `error:` line, no traceback); stdout empty."""
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, (out, err)
+    assert err.startswith("error: ") and "Traceback" not in err
+    return err.strip()
+
+
+def run_both(checkpoint, data, *options):
+    """hellaswag.py and sample.py on the checkpoint with the options: their exit codes."""
+    return (hellaswag.main([str(checkpoint), "--data", str(data), *options]),
+            sample.main([str(checkpoint), "--max_new_tokens", "1", *options]))
+
+
+# --- torchrun's variables left over in a shell ---------------------------------------------------
+
+@pytest.mark.parametrize("variables", [
+    dict(RANK="1"),
+    # would wait up to 30 minutes for a second process
+    dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512"),
+])
+def test_leftover_torchrun_variables_are_one_line_on_every_tool(checkpoint, data, capsys,
+                                                                monkeypatch, variables):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 1
+    line = one_error_line(capsys)
+    assert "not started by torchrun" in line and f"`unset {' '.join(variables)}` first" in line
+    assert sample.main([str(checkpoint)]) == 1
+    assert one_error_line(capsys) == line
+
+
+# --- files that are not regular -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def named_pipe(path):
+    """A named pipe at path, and a writer that serves every reader that opens it (each then sees
+    it end at once); yields a dict whose "readers", after the block, counts them."""
+    os.mkfifo(path)
+    seen = dict(readers=0)
+    done = threading.Event()
+
+    def writer():
+        while True:
+            # blocks until a reader opens the pipe
+            os.close(os.open(path, os.O_WRONLY))
+            seen["readers"] += 1
+            if done.is_set():
+                return
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        # release the writer with a reader of our own
+        done.set()
+        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        thread.join(10)
+        os.close(reader)
+        seen["readers"] -= 1
+
+
+def test_a_named_pipe_is_refused_without_being_opened(checkpoint, data, tmp_path, capsys):
+    cases = [("checkpoint", lambda pipe: run_both(pipe, data)),
+             ("--data", lambda pipe: (hellaswag.main([str(checkpoint), "--data", str(pipe)]),)),
+             ("--tokenizer", lambda pipe: run_both(checkpoint, data, "--tokenizer", str(pipe)))]
+    for name, run in cases:
+        pipe = tmp_path / f"{name.strip('-')}.fifo"
+        with named_pipe(pipe) as seen:
+            codes = run(pipe)
+            errors = capsys.readouterr().err.splitlines()
+        assert seen["readers"] == 0, f"{name}: the pipe was opened"
+        assert set(codes) == {1} and len(errors) == len(codes)
+        assert all(e.startswith("error: ") and str(pipe) in e and "not a regular file" in e
+                   for e in errors), errors
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "folder"])
+def test_a_device_or_a_folder_is_refused_without_being_read(checkpoint, data, tmp_path, capsys,
+                                                            path):
+    if path == "folder":
+        path = tmp_path
+    elif not os.path.exists(path):
+        pytest.skip(f"no {path} here")
+    assert run_both(path, data) == (1, 1)
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and all(f"{path}: not a regular file" in e for e in errors)
+    assert hellaswag.main([str(checkpoint), "--data", str(path)]) == 1
+    assert f"--data {path}: not a regular file" in one_error_line(capsys)
+
+
+# --- options out of range -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tool,options,message", [
+    ("sample", ["--temperature", "1e-300"], "--temperature must be 0 (greedy) or from 1.89e-270"),
+    ("sample", ["--temperature", "-1"], "--temperature must be 0"),
+    ("sample", ["--temperature", "inf"], "--temperature must be 0"),
+    ("sample", ["--temperature", "nan"], "--temperature must be 0"),
+    ("sample", ["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
+    ("sample", ["--seed", str(2 ** 64)], "--seed must be from 0 to 2**64 - 1"),
+    ("sample", ["--max_new_tokens", "-1"], "--max_new_tokens must be at least 0"),
+    ("sample", ["--top_k", "-1"], "--top_k must be at least 0"),
+    ("sample", ["--max_new_tokens", "x"], "argument --max_new_tokens: invalid int value: 'x'"),
+    ("hellaswag", ["--limit", "0"], "--limit must be at least 1"),
+    ("hellaswag", ["--sequence_length", "0"], "--sequence_length must be a positive multiple"),
+    ("hellaswag", ["--sequence_length", "200"], "block size, 128, got 200"),
+    ("hellaswag", ["--no_such_option"], "unrecognized arguments: --no_such_option"),
+])
+def test_an_option_out_of_range_is_one_line(checkpoint, data, capsys, tool, options, message):
+    if tool == "sample":
+        assert sample.main([str(checkpoint), *options]) == 1
+    else:
+        assert hellaswag.main([str(checkpoint), "--data", str(data), *options]) == 1
+    assert message in one_error_line(capsys)
+
+
+def test_the_smallest_temperature_draws_the_greedy_tokens(checkpoint, capsys):
+    # logits of about 1e46 in float64: the likeliest token with probability 1
+    options = [str(checkpoint), "--prompt", "Hello", "--max_new_tokens", "4"]
+    assert sample.main(options) == 0
+    greedy = capsys.readouterr().out
+    for temperature in ("1e-45", "1.9e-270"):
+        assert sample.main([*options, "--temperature", temperature]) == 0
+        assert capsys.readouterr() == (greedy, "")
+
+
+# --- a closed stdout, a cut download, a bad byte, torchrun's error file ---------------------------
+
+@pytest.mark.slow
+@pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+def test_a_closed_stdout_is_quiet(checkpoint):
+    # `python evals/sample.py ... | true`: the reader has gone before the text is written
+    command = [sys.executable, str(REPO / "evals" / "sample.py"), str(checkpoint),
+               "--max_new_tokens", "2", "--tokenizer", str(RANKS)]
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "wb") as closed:
+        result = subprocess.run(command, stdout=closed, stderr=subprocess.PIPE, text=True,
+                                timeout=300, env=launch_env(OMP_NUM_THREADS="1"))
+    assert (result.returncode, result.stderr) == (common.CLOSED_OUTPUT, "")
+
+
+class CutServer(http.server.ThreadingHTTPServer):
+    """Announces `size` bytes, sends `content` (fewer), and closes the connection."""
+
+    def __init__(self, content, size):
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", str(server.size))
+                self.end_headers()
+                self.wfile.write(server.content)
+                self.wfile.flush()
+                self.close_connection = True
+
+            def log_message(self, *args):
+                pass
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.content = content
+        self.size = size
+        self.url = f"http://127.0.0.1:{self.server_port}/hellaswag_val.jsonl"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def test_a_download_cut_midway_is_one_line_and_saves_nothing(checkpoint, tmp_path, capsys,
+                                                             monkeypatch):
+    full = (EXAMPLE * 50).encode()
+    server = CutServer(full[:1000], len(full))
+    cached = tmp_path / "data" / "hellaswag" / "hellaswag_val.jsonl"
+    blob_id = hellaswag.git_blob_id(full)
+    monkeypatch.setattr(hellaswag.download, "__defaults__", (cached, server.url, blob_id, "--data"))
+    try:
+        assert hellaswag.main([str(checkpoint)]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    line = one_error_line(capsys)
+    assert "IncompleteRead" in line and "nothing was saved" in line and "--data FILE" in line
+    assert not cached.parent.exists() or not any(cached.parent.iterdir())
+
+
+def test_the_download_temp_file_names_host_and_process(tmp_path, monkeypatch):
+    content = EXAMPLE.encode()
+    server = CutServer(content, len(content))
+    renamed = []
+    real_replace = os.replace
+
+    def replace(source, target):
+        renamed.append(os.path.basename(source))
+        real_replace(source, target)
+    monkeypatch.setattr(hellaswag.os, "replace", replace)
+    cached = tmp_path / "hellaswag_val.jsonl"
+    try:
+        hellaswag.download(cached, server.url, hellaswag.git_blob_id(content))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert cached.read_bytes() == content and os.listdir(tmp_path) == [cached.name]
+    assert renamed == [f"{cached.name}.{socket.gethostname()}.{os.getpid()}.tmp"]
+
+
+def test_a_bad_byte_is_reported_with_its_line(checkpoint, tmp_path, capsys):
+    data = tmp_path / "val.jsonl"
+    data.write_bytes(EXAMPLE.encode() * 2 + b'{"ctx": "caf\xe9", "endings": ["a", "b"]}\n')
+    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 1
+    assert f"--data {data}, line 3: not UTF-8 text" in one_error_line(capsys)
+
+
+def test_under_torchrun_the_error_line_is_left_in_its_error_file(checkpoint, data, tmp_path,
+                                                                  capsys, monkeypatch):
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    assert hellaswag.main([str(checkpoint), "--data", str(data), "--limit", "0"]) == 1
+    line = one_error_line(capsys)
+    assert json.loads(error_file.read_text())["message"]["message"] == line
+    # the second process of a node leaves its line in its file, but the console has it once
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    error_file.unlink()
+    assert sample.main([str(checkpoint), "--top_k", "-1"]) == 1
+    assert capsys.readouterr() == ("", "")
+    assert "--top_k must be at least 0" in json.loads(error_file.read_text())["message"]["message"]
+
+
+def test_ctrl_c_in_a_tool_is_one_line_and_130(checkpoint, data, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hellaswag, "score", interrupted)
+    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 130
+    assert capsys.readouterr() == ("", "stopped by SIGINT\n")
+
+
+# --- a stop signal during the trainer's HellaSwag -------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_during_the_trainers_hellaswag_stops_it_with_no_score(
+        markov_shards, tmp_path, capsys, monkeypatch, signum):
+    data = tmp_path / "val.jsonl"
+    data.write_text(EXAMPLE * 4)
+    real_score = hellaswag.score
+
+    def score_after_a_signal(*args, **kwargs):
+        # the signal arrives as the scoring starts
+        os.kill(os.getpid(), signum)
+        return real_score(*args, **kwargs)
+    monkeypatch.setattr(hellaswag, "score", score_after_a_signal)
+    train, val, _ = markov_shards
+    options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
+               "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
+               "--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128",
+               "--max_device_batch_size", "128", "--val_tokens", "128",
+               "--save_checkpoint", "true", "--log_dir", str(tmp_path / "logs"),
+               "--hellaswag", "true", "--hellaswag_data", str(data)]
+    assert train_gpt.main(options) == 128 + signum
+    out, err = capsys.readouterr()
+    log = finished_log(tmp_path / "logs")
+    name = signal.Signals(signum).name
+    last = log.read_text().splitlines()[-1]
+    assert last.startswith(f"stopped by {name} after step 2; resume with: ")
+    assert err.splitlines()[-1] == last
+    assert "acc_norm=" not in out and "acc_norm=" not in log.read_text().split("=" * 100)[-1]
+    assert list(log.parent.glob(f"{log.stem}/state_step000002.pt"))

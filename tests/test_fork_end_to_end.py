@@ -1,0 +1,249 @@
+"""A fork, end to end: train_gpt.py copied under another name into another folder, its softcap and
+its MLP's activation changed there, trains the smoke preset (a few steps) and saves a checkpoint;
+the repository's evals/hellaswag.py and evals/sample.py score and continue with it as the fork's
+model: their scores and greedy text equal those of the fork's own module (each candidate scored
+alone in float64, greedy by full forwards), and differ from the original trainer's with the same
+weights. Also: one trainer module per process, with --hellaswag and with the tools alone.
+
+    python -m pytest tests/test_fork_end_to_end.py -q
+"""
+import ast
+import copy
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import tiktoken
+import torch
+from conftest import REPO
+from conftest import launch_env
+
+import train_gpt
+from evals import common
+from evals import hellaswag
+from evals import sample
+
+RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not RANKS.exists(),
+                                 reason="needs ../shared/data/gpt2/gpt2.tiktoken")]
+# A tokenizer stand-in: a token per byte (ids 0-255, those of the smoke preset's synthetic data,
+# so the model's choices among candidates are its own, not noise), 50256, and ids 256 to 50255
+# that decode (to 4 bytes) but that no text encodes to
+IN_DOMAIN = tiktoken.Encoding(
+    "bytes", pat_str=r"[\s\S]", special_tokens={"<|endoftext|>": train_gpt.EOT},
+    mergeable_ranks={**{bytes([i]): i for i in range(256)},
+                     **{b"\xff\xff" + i.to_bytes(2, "big"): i for i in range(256, train_gpt.EOT)}})
+# the fork's ideas: a softcap of 30 (record 18 lowered it from 30 to 15), and GELU for ReLU²
+FORK_LOGITS = "return 30 * torch.tanh(self.lm_head(x) / 30)"
+FORK_MLP = "return self.proj(F.gelu(self.fc(x)))"
+
+
+def replace_body(source, class_name, method_name, body):
+    """source with the body of class_name.method_name (after its docstring, if any) replaced."""
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    method = next(n for n in cls.body
+                  if isinstance(n, ast.FunctionDef) and n.name == method_name)
+    first = method.body[0]
+    has_docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    # the body starts after the docstring, or after the one-line `def` (comments included)
+    start = first.end_lineno if has_docstring else method.lineno
+    lines = source.splitlines(keepends=True)
+    indented = textwrap.indent(body + "\n", " " * (method.col_offset + 4))
+    return "".join(lines[:start] + [indented] + lines[method.end_lineno:])
+
+
+def import_file(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def fork(tmp_path_factory):
+    """(the fork's module, its checkpoint): my_attempt.py, trained in this process on the smoke
+    preset for 4 steps of 256 tokens."""
+    folder = tmp_path_factory.mktemp("fork")
+    source = (REPO / "train_gpt.py").read_text()
+    source = replace_body(source, "GPT", "logits", FORK_LOGITS)
+    source = replace_body(source, "MLP", "forward", FORK_MLP)
+    assert FORK_LOGITS in source and FORK_MLP in source
+    (folder / "my_attempt.py").write_text(source)
+    module = import_file(folder / "my_attempt.py", "my_attempt")
+    options = ["--preset", "smoke", "--num_iterations", "4", "--val_loss_every", "0",
+               "--batch_size", "256", "--max_device_batch_size", "256", "--val_tokens", "256",
+               "--save_checkpoint", "true", "--log_dir", str(folder / "logs")]
+    assert module.main(options) == 0
+    (checkpoint,) = (folder / "logs").glob("*/state_step000004.pt")
+    return module, checkpoint
+
+
+def model_of(trainer, checkpoint):
+    """trainer's model with the checkpoint's weights, built here (not by evals/)."""
+    state = torch.load(checkpoint, map_location="cpu")
+    options = trainer.Hyperparameters(**state["args"])
+    model = trainer.GPT.from_args(options)
+    model.load_state_dict(state["model"])
+    return model.eval(), options
+
+
+@torch.no_grad()
+def ending_losses(model, candidates, endings):
+    """Each candidate's summed and mean loss over its ending, from a forward over it alone with
+    the model in float64; (sums, means), a row per example of `endings` candidates."""
+    model = copy.deepcopy(model).double()
+    window = torch.tensor(10 ** 6, dtype=torch.int32)
+    sums = []
+    means = []
+    for tokens, start in candidates:
+        x = torch.tensor(tokens)
+        logits = model(x.int(), None, window).double()
+        losses = -logits.log_softmax(-1)[torch.arange(start - 1, len(x) - 1), x[start:]]
+        sums.append(losses.sum().item())
+        means.append(losses.mean().item())
+    return torch.tensor(sums).view(-1, endings), torch.tensor(means).view(-1, endings)
+
+
+def result_line(sums, means, labels):
+    """The line hellaswag.py prints last, from per-candidate losses."""
+    labels = torch.tensor(labels)
+    acc_norm = (means.argmin(1) == labels).double().mean().item()
+    acc = (sums.argmin(1) == labels).double().mean().item()
+    return f"hellaswag: acc_norm={acc_norm:.4f} acc={acc:.4f} n={len(labels)}"
+
+
+@torch.no_grad()
+def greedy(model, prompt, new_tokens, window_blocks, vocab):
+    """The prompt and new_tokens more, each the argmax of a full forward over all before it."""
+    tokens = [train_gpt.EOT, *prompt]
+    window = torch.tensor(window_blocks, dtype=torch.int32)
+    for _ in range(new_tokens):
+        logits = model(torch.tensor(tokens).int(), None, window)[-1, :vocab]
+        tokens.append(int(logits.argmax()))
+    return tokens[1:]
+
+
+@torch.no_grad()
+def next_token_losses(model, tokens):
+    """The loss of each possible next token after tokens, with the model in float64."""
+    model = copy.deepcopy(model).double()
+    window = torch.tensor(10 ** 6, dtype=torch.int32)
+    return -model(torch.tensor(tokens).int(), None, window)[-1].double().log_softmax(-1)
+
+
+def text(rng, length):
+    return "".join(chr(rng.randrange(33, 127)) for _ in range(length))
+
+
+def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_path, capsys,
+                                                                    monkeypatch):
+    fork_module, checkpoint = fork
+    assert torch.load(checkpoint, map_location="cpu")["source"] == fork_module.SOURCE
+    monkeypatch.setattr(common.gpt2_tokenizer, "gpt2_encoding",
+                        lambda tokenizer_file=None: IN_DOMAIN)
+    fork_model, options = model_of(fork_module, checkpoint)
+    original_model, _ = model_of(train_gpt, checkpoint)
+    # Examples of two one-character endings: per context, two characters that the fork's model and
+    # the original's (the same weights) rank in opposite orders, labelled with the fork's choice
+    rng = random.Random(0)
+    examples = []
+    for i in range(6):
+        context = text(rng, 20)
+        tokens = [train_gpt.EOT, *IN_DOMAIN.encode_ordinary(context + " ")]
+        fork_losses = next_token_losses(fork_model, tokens)
+        original_losses = next_token_losses(original_model, tokens)
+        printable = range(33, 127)
+        pairs = [(a, b) for a in printable for b in printable
+                 if fork_losses[a] < fork_losses[b] and original_losses[a] > original_losses[b]]
+        if pairs:
+            fork_choice, other = rng.choice(pairs)
+            endings = [chr(other), chr(fork_choice)] if i % 2 else [chr(fork_choice), chr(other)]
+            examples.append((context, endings, i % 2))
+    assert examples, "the fork's and the original's models rank every pair alike"
+    rendered = hellaswag.render(examples, IN_DOMAIN, train_gpt.EOT)
+    candidates = [c for example in rendered for c in example]
+    labels = [label for *_, label in examples]
+    fork_line = result_line(*ending_losses(fork_model, candidates, 2), labels)
+    original_line = result_line(*ending_losses(original_model, candidates, 2), labels)
+    assert fork_line.startswith("hellaswag: acc_norm=1.0000 ")
+    assert original_line.startswith("hellaswag: acc_norm=0.0000 ")
+    data = tmp_path / "val.jsonl"
+    data.write_text("".join(json.dumps(dict(ctx=c, endings=e, label=label)) + "\n"
+                            for c, e, label in examples))
+    capsys.readouterr()
+    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == fork_line
+
+    # greedy: a prompt whose continuation differs between the two models, continued by sample.py
+    window_blocks = fork_module.window_blocks_at(options.num_iterations, options)
+    for _ in range(8):
+        prompt = IN_DOMAIN.encode_ordinary(text(rng, 20))
+        fork_tokens = greedy(fork_model, prompt, 12, window_blocks, IN_DOMAIN.n_vocab)
+        original_tokens = greedy(original_model, prompt, 12, window_blocks, IN_DOMAIN.n_vocab)
+        if fork_tokens != original_tokens:
+            break
+    assert fork_tokens != original_tokens, "the same greedy tokens from both models"
+    assert sample.main([str(checkpoint), "--prompt", IN_DOMAIN.decode(prompt),
+                        "--max_new_tokens", "12"]) == 0
+    assert capsys.readouterr().out == IN_DOMAIN.decode(fork_tokens) + "\n"
+
+
+ONE_TRAINER = """
+import sys
+sys.path.insert(0, {repo!r})
+{run}
+trainers = [name for name, module in sys.modules.items()
+            if isinstance(getattr(module, "GPT", None), type)
+            and hasattr(module, "Hyperparameters")]
+print("trainers:", trainers)
+"""
+
+
+def run_python(code, tmp_path):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env=launch_env(OMP_NUM_THREADS="1"))
+
+
+def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(
+        markov_shards, tmp_path):
+    train, val, _ = markov_shards
+    data = tmp_path / "val.jsonl"
+    data.write_text(json.dumps(dict(ctx="The cat", endings=["ran", "sat"], label=0)) + "\n")
+    options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
+               "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
+               "--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128",
+               "--max_device_batch_size", "128", "--val_tokens", "128",
+               "--save_checkpoint", "true", "--log_dir", str(tmp_path / "logs"),
+               "--hellaswag", "true", "--hellaswag_data", str(data), "--tokenizer", str(RANKS)]
+    trainer_run = f"import train_gpt\nassert train_gpt.main({options!r}) == 0"
+    result = run_python(ONE_TRAINER.format(repo=str(REPO), run=trainer_run), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "trainers: ['train_gpt']"
+    (log,) = (tmp_path / "logs").glob("*.txt")
+    text = log.read_text()
+    # the trainer's source, then the scorer's, each file named, then the line of 100 '='
+    source_end = text.index("\n" + "=" * 100 + "\n")
+    assert text.startswith((REPO / "train_gpt.py").read_text())
+    for name in ("evals/hellaswag.py", "evals/common.py", "data/gpt2_tokenizer.py"):
+        header = f"\n{'-' * 100}\n# {name}, which scored --hellaswag\n"
+        at = text.index(header)
+        assert at < source_end
+        assert text[at + len(header):].startswith((REPO / name).read_text())
+    assert text.splitlines()[-2].startswith("hellaswag: acc_norm=")
+
+    (checkpoint,) = (tmp_path / "logs").glob("*/state_step000002.pt")
+    tools_run = ("from evals import hellaswag\n"
+                 f"assert hellaswag.main([{str(checkpoint)!r}, '--data', {str(data)!r}, "
+                 f"'--tokenizer', {str(RANKS)!r}]) == 0")
+    result = run_python(ONE_TRAINER.format(repo=str(REPO), run=tools_run), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the module built from the checkpoint's source, and no other (train_gpt is not imported)
+    (trainer,) = ast.literal_eval(result.stdout.splitlines()[-1].removeprefix("trainers: "))
+    assert trainer.startswith("trainer_")
