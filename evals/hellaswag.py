@@ -48,7 +48,7 @@ URL = ("https://raw.githubusercontent.com/rowanz/hellaswag/"
 GIT_BLOB_ID = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 EXAMPLES = 10_042
 CACHED = common.REPO / "data" / "hellaswag" / "hellaswag_val.jsonl"
-# tokens per forward: their fp32 logits take 1.6 GB
+# tokens per forward: their fp32 logits take 1.6 GB (the trainer uses its micro-batch instead)
 SEQUENCE_LENGTH = 8192
 
 
@@ -167,10 +167,39 @@ def pack(lengths, sequence_length, window_blocks):
     return places
 
 
+def loss_per_token(model, device):
+    """f(tokens, targets, window) -> the model's loss at every position: the forward and the
+    cross-entropy in one function, compiled on a GPU for one fixed sequence length.
+
+    Compiled because FlexAttention is fused only then: torch.nn.attention.flex_attention.
+    flex_attention takes the fused path only when torch.compiler.is_dynamo_compiling() (it then
+    emits the flex_attention higher-order op for the compiler); called eagerly, it runs that op's
+    CompositeExplicitAutograd kernel, sdpa_dense -> math_attention in
+    torch/_higher_order_ops/flex_attention.py, which materialises the whole fp32 score matrix of
+    each head. Under torch.compile, inductor lowers the op through the register_lowering of
+    torch.ops.higher_order.flex_attention in torch/_inductor/kernel/flex/flex_attention.py
+    (flex_attention()), which emits the Triton FlexAttention template on CUDA (sm80 and sm90 have
+    configurations for fp32 and head dim 128), reading the block mask's lists and never building
+    the score matrix. dynamic=False and every sequence the same length: one graph for all.
+    In one graph with the forward, the cross-entropy never writes the softcapped logits again.
+
+    On a CPU the same function runs uncompiled (the model's dense-mask attention; compiling on a
+    CPU takes minutes): the tests check this path, padding and fixed length included, not the
+    compiled one."""
+    def losses(tokens, targets, window):
+        logits = model(tokens, None, window)
+        return F.cross_entropy(logits, targets, reduction="none")
+    if device.type == "cuda":
+        return torch.compile(losses, dynamic=False)
+    return losses
+
+
 @torch.no_grad()
 def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LENGTH):
     """Each candidate's summed loss over its ending and the ending's token count (float64, on the
-    CPU), and how they were packed: (sums, counts, sequences, tokens, window in blocks)."""
+    CPU), and how they were packed: (sums, counts, sequences, tokens, window in blocks). Every
+    sequence is sequence_length tokens (or the longest candidate's whole blocks, if longer): the
+    last one padded, so that a compiled forward has one shape."""
     # a copy in fp32 (the bf16 tables cast, so every activation is fp32): packing then changes only
     # fp32 rounding, where bf16's, each candidate at another position, could flip a close call
     model = copy.deepcopy(model).float()
@@ -188,12 +217,10 @@ def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LEN
     members = [[] for _ in range(places[-1][0] + 1)]
     for i, (sequence, offset) in enumerate(places):
         members[sequence].append((i, offset))
+    losses_of = loss_per_token(model, device)
     for sequence in members:
-        # the last sequence may be shorter: whole blocks up to its last token
-        i, offset = sequence[-1]
-        used = math.ceil((offset + len(candidates[i][0])) / BLOCK_SIZE) * BLOCK_SIZE
         # padding: lone 50256s, each a document of its own, after the real tokens
-        tokens = torch.full((used,), EOT, dtype=torch.int64)
+        tokens = torch.full((sequence_length + 1,), EOT, dtype=torch.int64)
         rows = []
         owners = []
         for i, offset in sequence:
@@ -203,10 +230,8 @@ def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LEN
             rows += range(offset + start - 1, offset + len(document) - 1)
             owners += [i] * (len(document) - start)
         tokens = tokens.to(device)
-        rows = torch.tensor(rows, device=device)
-        logits = model(tokens.to(torch.int32), None, window)
-        losses = F.cross_entropy(logits[rows], tokens[rows + 1], reduction="none")
-        sums.index_add_(0, torch.tensor(owners), losses.double().cpu())
+        losses = losses_of(tokens[:-1].to(torch.int32), tokens[1:], window)
+        sums.index_add_(0, torch.tensor(owners), losses[rows].double().cpu())
     return sums, counts, len(members), sum(lengths), window_blocks
 
 
@@ -257,10 +282,12 @@ def evaluate(model, rendered, labels, window_blocks, device, rank=0, world_size=
         dist.all_reduce(correct)
     by_mean, by_sum, n = correct.tolist()
     seconds = time.perf_counter() - started
-    longest = max(sequence_length, window * BLOCK_SIZE)
+    # score() lengthens the sequences to the longest candidate's whole blocks
+    longest = max([len(document) for document, _ in candidates], default=0)
+    length = max(sequence_length, math.ceil(longest / BLOCK_SIZE) * BLOCK_SIZE)
     details = (f"hellaswag: {n:,} examples in {seconds:.1f} s on {world_size} x {device.type} "
                f"(rank {rank}: {len(candidates):,} candidates, {tokens:,} tokens in {sequences} "
-               f"sequences of up to {longest:,})")
+               f"sequences of {length:,})")
     if window > window_blocks:
         details += (f"; candidates longer than the trained window of {window_blocks} blocks were "
                     f"scored whole, with a window of {window}")
@@ -295,8 +322,14 @@ def main(argv=None):
         rendered, labels = prepare(args.data, args.tokenizer, args.limit)
         model, options = common.load_model(args.checkpoint, device)
         window_blocks = common.trained_window_blocks(options)
-        acc_norm, acc, n, details = evaluate(model, rendered, labels, window_blocks, device, rank,
-                                             world_size, args.sequence_length)
+        try:
+            acc_norm, acc, n, details = evaluate(model, rendered, labels, window_blocks, device,
+                                                 rank, world_size, args.sequence_length)
+        except torch.cuda.OutOfMemoryError:
+            half = max(BLOCK_SIZE, args.sequence_length // 2 // BLOCK_SIZE * BLOCK_SIZE)
+            raise EvalError(f"out of GPU memory with sequences of {args.sequence_length:,} tokens: "
+                            f"pass --sequence_length {half} (shorter sequences change the scores "
+                            "only by fp32 rounding)") from None
         if rank == 0:
             print(details)
             print(result_line(acc_norm, acc, n))

@@ -3,17 +3,22 @@
     python evals/sample.py logs/<run id>/state_step001390.pt --prompt "The capital of France is"
     python evals/sample.py CHECKPOINT --prompt TEXT --max_new_tokens 200 --temperature 0.8 \\
         --top_k 50 --seed 1
+    python evals/sample.py CHECKPOINT --prompt TEXT --num_samples 4 --temperature 0.8
 
-The prompt starts a document, as in training: 50256 first. Each new token comes from a full
-forward over the document so far (no KV cache), padded after its last token to whole blocks of
-128, which causal attention keeps from changing what comes before. At --temperature 0 (the
-default) it is the likeliest token (greedy); else a draw from softmax(logits / temperature), among
-the --top_k likeliest when given, seeded by --seed. Only the tokenizer's ids are drawn, never the
-rows that pad the head to a multiple of 128. The document stays within the attention window the
-run ended its training with. stdout gets the prompt and its continuation, decoded, nothing
-stripped, and nothing else.
+The prompt starts a document, as in training: 50256 first. The model's own KV cache (KVCache in
+train_gpt.py) keeps each layer's keys and values, so that a new token costs one token's forward,
+however long the document: the prompt is one forward, each new token another. The model runs in
+fp32 (its bf16 tables cast, as HellaSwag scores it), so that the cache changes only fp32 rounding
+against full forwards, where bf16's could flip a close call. At --temperature 0 (the default) a
+new token is the likeliest (greedy); else a draw from softmax(logits / temperature), among the
+--top_k likeliest when given, seeded by --seed. --num_samples N draws N continuations in one
+batch (greedy: N equal ones). Only the tokenizer's ids are drawn, never the rows that pad the head
+to a multiple of 128. The document stays within the attention window the run ended its training
+with. stdout gets the prompt and its continuation, decoded, nothing stripped, and nothing else;
+with several samples, each one so, after a line `--- sample i of N`.
 """
 import argparse
+import copy
 import math
 import sys
 from pathlib import Path
@@ -28,28 +33,44 @@ from evals.common import EOT  # noqa: E402
 from evals.common import EvalError  # noqa: E402
 
 
-@torch.no_grad()
 def generate(model, prompt, max_new_tokens, window_blocks, vocab, temperature=0.0, top_k=0,
              generator=None):
     """The prompt's tokens followed by max_new_tokens more, each below vocab (the tokenizer's
     number of ids)."""
+    return generate_batch(model, prompt, max_new_tokens, window_blocks, vocab, temperature,
+                          top_k, generator)[0]
+
+
+@torch.no_grad()
+def generate_batch(model, prompt, max_new_tokens, window_blocks, vocab, temperature=0.0, top_k=0,
+                   generator=None, num_samples=1):
+    """num_samples continuations of the prompt, drawn in one batch: each the prompt's tokens
+    followed by max_new_tokens more, each below vocab (the tokenizer's number of ids). The model
+    runs in fp32 (a copy, unless it is in fp32 already) with its own KV cache."""
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        model = copy.deepcopy(model).float()
     device = next(model.parameters()).device
     window = torch.tensor(window_blocks, dtype=torch.int32, device=device)
-    tokens = [EOT, *prompt]
+    # the module that defined the model's class: a fork's model brings its own cache
+    trainer = sys.modules[type(model).__module__]
+    cache = trainer.KVCache(num_samples, 1 + len(prompt) + max_new_tokens, device)
+    tokens = torch.tensor([EOT, *prompt], dtype=torch.int32, device=device)
+    tokens = tokens.expand(num_samples, -1)
+    new_tokens = tokens
     for _ in range(max_new_tokens):
-        length = math.ceil(len(tokens) / BLOCK_SIZE) * BLOCK_SIZE
-        padded = torch.full((length,), EOT, dtype=torch.int32)
-        padded[:len(tokens)] = torch.tensor(tokens)
-        logits = model(padded.to(device), None, window)[len(tokens) - 1, :vocab]
+        # the logits of each sample's last token, after the forward of the tokens not yet cached
+        logits = model(new_tokens, None, window, cache)[:, :vocab]
         if temperature == 0:
-            tokens.append(int(logits.argmax()))
-            continue
-        logits = logits / temperature
-        if top_k:
-            kth_largest = torch.topk(logits, min(top_k, vocab)).values[-1]
-            logits = logits.masked_fill(logits < kth_largest, -math.inf)
-        tokens.append(int(torch.multinomial(logits.softmax(-1), 1, generator=generator)))
-    return tokens[1:]
+            new_tokens = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth_largest = torch.topk(logits, min(top_k, vocab)).values[:, -1:]
+                logits = logits.masked_fill(logits < kth_largest, -math.inf)
+            new_tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+        new_tokens = new_tokens.int()
+        tokens = torch.cat([tokens, new_tokens], 1)
+    return tokens[:, 1:].tolist()
 
 
 def main(argv=None):
@@ -64,12 +85,16 @@ def main(argv=None):
     parser.add_argument("--top_k", type=int, default=0,
                         help="draw among the k likeliest tokens (default 0: among all)")
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    parser.add_argument("--num_samples", type=int, default=1,
+                        help="continuations drawn in one batch (default: %(default)s)")
     parser.add_argument("--tokenizer", help="a tiktoken ranks file of GPT-2's BPE, for offline "
                         "use (default: tiktoken's own, downloaded once)")
     args = parser.parse_args(argv)
     for name in ("max_new_tokens", "top_k"):
         if getattr(args, name) < 0:
             parser.error(f"--{name} must be at least 0, got {getattr(args, name)}")
+    if args.num_samples < 1:
+        parser.error(f"--num_samples must be at least 1, got {args.num_samples}")
     if not 0 <= args.temperature < math.inf:
         parser.error(f"--temperature must be 0 (greedy) or above, got {args.temperature}")
 
@@ -87,9 +112,15 @@ def main(argv=None):
                             f"{window_blocks * BLOCK_SIZE} tokens (the one it ended its training "
                             "with): give a shorter prompt or fewer new tokens")
         generator = torch.Generator(device).manual_seed(args.seed)
-        tokens = generate(model, prompt, args.max_new_tokens, window_blocks, tokenizer.n_vocab,
-                          args.temperature, args.top_k, generator)
-        print(tokenizer.decode(tokens))
+        # fp32, as generate_batch needs it: converted here rather than copied there
+        model.float()
+        samples = generate_batch(model, prompt, args.max_new_tokens, window_blocks,
+                                 tokenizer.n_vocab, args.temperature, args.top_k, generator,
+                                 args.num_samples)
+        for i, tokens in enumerate(samples):
+            if args.num_samples > 1:
+                print(f"--- sample {i + 1} of {args.num_samples}")
+            print(tokenizer.decode(tokens))
         return 0
     return common.run_main(body)
 
