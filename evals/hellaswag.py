@@ -11,7 +11,9 @@ ending's tokens: `acc` counts the examples whose lowest summed loss is the label
 score it). The candidates are packed into sequences of the model's own document-causal attention,
 which never crosses a document, so packing changes only the rounding, which is fp32's: the model is
 scored with its bf16 tables cast to fp32. Each candidate lies within the attention window the run
-ended its training with, so none is cut.
+ended its training with, so none is cut. Every sequence has --sequence_length tokens (the last one
+padded with lone 50256s): on a GPU the forward is compiled once for that shape, which makes
+FlexAttention a fused kernel (see loss_per_token).
 
 The data: HellaSwag's validation file (10,042 examples) from its authors' repository at a fixed
 commit, downloaded once into data/hellaswag/ and checked against the git blob id that commit gives
@@ -308,7 +310,8 @@ def main(argv=None):
     parser.add_argument("--tokenizer", help="a tiktoken ranks file of GPT-2's BPE, for offline "
                         "use (default: tiktoken's own, downloaded once)")
     parser.add_argument("--sequence_length", type=int, default=SEQUENCE_LENGTH,
-                        help="tokens per forward, a multiple of 128 (default: %(default)s)")
+                        help="tokens per forward, a multiple of 128; fewer take less GPU "
+                        "memory (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be at least 1, got {args.limit}")
