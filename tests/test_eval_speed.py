@@ -202,3 +202,23 @@ def test_samples_drawn_in_one_batch_are_seeded_and_greedy_ones_equal():
                                                                           temperature=3.0)
     assert all(t[:3] == prompt and max(t) < GPT2_IDS for t in hot) and len(set(map(tuple, hot))) > 1
     assert draw(5, num_samples=2, temperature=3.0, top_k=1) == [single] * 2
+
+
+RANKS = train_gpt.Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
+
+
+@pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+def test_sample_cli_prints_each_of_num_samples(tmp_path, capsys):
+    options = train_gpt.Hyperparameters(num_layers=6, num_heads=2, model_dim=32)
+    path = tmp_path / "state.pt"
+    torch.save(dict(step=1, model=small_model(4).state_dict(), args=vars(options)), path)
+    command = [str(path), "--prompt", "Hi", "--max_new_tokens", "3", "--tokenizer", str(RANKS)]
+    assert sample.main([*command, "--num_samples", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0::2] == [f"--- sample {i} of 3" for i in (1, 2, 3)]
+    # greedy: three equal texts, each the prompt and its continuation
+    assert len(set(lines[1::2])) == 1 and lines[1].startswith("Hi")
+    # argparse's usage error
+    with pytest.raises(SystemExit):
+        sample.main([*command, "--num_samples", "0"])
+    assert "--num_samples must be at least 1" in capsys.readouterr().err
