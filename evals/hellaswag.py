@@ -200,8 +200,8 @@ def loss_per_token(model, device):
 def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LENGTH):
     """Each candidate's summed loss over its ending and the ending's token count (float64, on the
     CPU), and how they were packed: (sums, counts, sequences, tokens, window in blocks). Every
-    sequence is sequence_length tokens (or the longest candidate's whole blocks, if longer): the
-    last one padded, so that a compiled forward has one shape."""
+    sequence is sequence_length tokens (or the longest candidate's whole blocks, if longer), the
+    last one padded, so that a compiled forward has one shape; a lone sequence, its own blocks."""
     # a copy in fp32 (the bf16 tables cast, so every activation is fp32): packing then changes only
     # fp32 rounding, where bf16's, each candidate at another position, could flip a close call
     model = copy.deepcopy(model).float()
@@ -219,6 +219,9 @@ def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LEN
     members = [[] for _ in range(places[-1][0] + 1)]
     for i, (sequence, offset) in enumerate(places):
         members[sequence].append((i, offset))
+    if len(members) == 1:
+        # one sequence (one shape): its whole blocks are enough
+        sequence_length = math.ceil((places[-1][1] + lengths[-1]) / BLOCK_SIZE) * BLOCK_SIZE
     losses_of = loss_per_token(model, device)
     for sequence in members:
         # padding: lone 50256s, each a document of its own, after the real tokens
@@ -289,7 +292,7 @@ def evaluate(model, rendered, labels, window_blocks, device, rank=0, world_size=
     length = max(sequence_length, math.ceil(longest / BLOCK_SIZE) * BLOCK_SIZE)
     details = (f"hellaswag: {n:,} examples in {seconds:.1f} s on {world_size} x {device.type} "
                f"(rank {rank}: {len(candidates):,} candidates, {tokens:,} tokens in {sequences} "
-               f"sequences of {length:,})")
+               f"sequences of up to {length:,})")
     if window > window_blocks:
         details += (f"; candidates longer than the trained window of {window_blocks} blocks were "
                     f"scored whole, with a window of {window}")

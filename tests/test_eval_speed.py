@@ -93,7 +93,7 @@ def test_fixed_length_hellaswag_matches_each_candidate_scored_alone_in_float64(m
     acc_norm, acc, n, details = hellaswag.evaluate(model, rendered, labels, 2, torch.device("cpu"),
                                                    sequence_length=256)
     assert len(shapes) > 2 and set(shapes) == {((256,), (256,))}
-    assert f"in {len(shapes)} sequences of 256)" in details
+    assert f"in {len(shapes)} sequences of up to 256)" in details
     # the reference: each candidate alone, the same weights in float64, no padding, no packing
     in_float64 = copy.deepcopy(model).double()
     by_mean = 0
