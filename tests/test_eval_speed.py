@@ -153,7 +153,8 @@ def test_cached_greedy_text_equals_full_forwards_on_a_trained_checkpoint(smoke_c
     in_fp32 = copy.deepcopy(model).float()
     stream = train_gpt.markov_stream(4000, seed=5).tolist()
     # (prompt, new tokens): short and long prompts, up to the whole window; the last two hold
-    # the end of a document and the start of the next (EOT), which the cache must keep apart
+    # the end of a document and the start of the next (EOT). The chain's next token barely depends
+    # on the document before: the test above checks the cache's mask on the logits themselves
     prompts = [(stream[1:1], 30), (stream[1:6], 40), (stream[300:430], 30), (stream[60:500], 71)]
     assert [prompt.count(EOT) > 0 for prompt, _ in prompts] == [False, False, True, True]
     for prompt, new in prompts:
@@ -161,6 +162,26 @@ def test_cached_greedy_text_equals_full_forwards_on_a_trained_checkpoint(smoke_c
         reference = greedy_by_full_forwards(in_fp32, [EOT, *prompt], new)
         assert generated == reference[1:]
     assert 1 + len(prompts[-1][0]) + prompts[-1][1] == window
+
+
+@pytest.mark.slow
+def test_cached_logits_equal_full_forward_rows_across_documents_and_the_window():
+    model = small_model(5).float()
+    # three documents; a window of 1 block, which cuts the last (200 to 299) at 256
+    tokens = torch.randint(0, 256, (300,), dtype=torch.int32)
+    tokens[[0, 90, 200]] = EOT
+    window = torch.tensor(1, dtype=torch.int32)
+    cache = train_gpt.KVCache(2, 300, torch.device("cpu"))
+    with torch.no_grad():
+        full = model(tokens, None, window)
+        # a batch of 2 equal sequences: 150 tokens at once, then one at a time
+        rows = [model(tokens[None, :150].expand(2, -1), None, window, cache)]
+        for position in range(150, 300):
+            rows.append(model(tokens[None, position:position + 1].expand(2, -1), None, window,
+                              cache))
+    cached = torch.stack(rows, 1)
+    assert cached.shape == (2, 151, 50304)
+    torch.testing.assert_close(cached, full[None, 149:].expand(2, -1, -1), rtol=1e-5, atol=1e-5)
 
 
 def test_a_new_token_costs_one_tokens_forward_however_long_the_document():
