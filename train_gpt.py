@@ -330,10 +330,10 @@ class Rotary(nn.Module):
         self.register_buffer("cos", theta.cos(), persistent=False)
         self.register_buffer("sin", theta.sin(), persistent=False)
 
-    def forward(self, x):
-        """x: (batch, seq, heads, head_dim); the rotation is computed in fp32."""
-        cos = self.cos[None, :x.size(1), None, :]
-        sin = self.sin[None, :x.size(1), None, :]
+    def forward(self, x, start=0):
+        """x: (batch, seq, heads, head_dim) at positions start onward; rotated in fp32."""
+        cos = self.cos[None, start:start + x.size(1), None, :]
+        sin = self.sin[None, start:start + x.size(1), None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         y1 = x1 * cos + x2 * sin
         y2 = -x1 * sin + x2 * cos
@@ -353,17 +353,20 @@ class CausalSelfAttention(nn.Module):
         self.proj = CastedLinear(dim, dim, zero_init=True)
 
     def forward(self, x, value_embed, mask):
-        B, T, dim = x.shape
+        B, T, dim = x.shape[-3:]
+        start = mask.tokens.size(1) - T if isinstance(mask, KVCache) else 0
         q = self.q(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k(x).view(B, T, self.num_heads, self.head_dim)
         v = self.v(x).view(B, T, self.num_heads, self.head_dim)
         # QK-norm (Dehghani et al., 2023), brought to the speedrun by @Grad62304977
-        q = self.rotary(norm(q))
-        k = self.rotary(norm(k))
+        q = self.rotary(norm(q), start)
+        k = self.rotary(norm(k), start)
         v = self.lambdas[0] * v
         if value_embed is not None:
             v = v + self.lambdas[1] * value_embed.view_as(v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if isinstance(mask, KVCache):
+            k, v, mask = mask.extend(self, k, v)
         if isinstance(mask, BlockMask):
             y = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5)
         else:
@@ -432,12 +435,14 @@ class GPT(nn.Module):
                    attention_free_layer=args.attention_free_layer, bf16_embeds=args.bf16_embeds,
                    fused_head_loss=fused_head_loss, head_chunk_rows=args.head_chunk_rows)
 
-    def forward(self, inputs, targets, window_blocks):
-        """inputs: one packed sequence of token ids (all documents of a micro-batch, each led by
-        EOT); returns the mean cross-entropy of predicting targets or, with targets None, the
-        softcapped logits, (len(inputs), vocab) in fp32."""
-        assert inputs.ndim == 1, "one packed sequence per device"
+    def forward(self, inputs, targets, window_blocks, cache=None):
+        """inputs: one packed sequence of token ids (a micro-batch's documents, each led by EOT);
+        returns the mean loss of predicting targets or, targets None, the softcapped fp32 logits.
+        With a KVCache: inputs (batch, T) go on from its sequences; the logits of their last."""
+        assert inputs.ndim == 1 or cache is not None, "one packed sequence per device"
         build_mask = build_block_mask if inputs.is_cuda else build_dense_mask
+        if cache is not None:
+            build_mask = cache.append
         mask = build_mask(inputs, window_blocks)
         value_embeds = [table(inputs) for table in self.value_embeds]
         # the norm of the embedding: @Grad62304977
@@ -453,6 +458,8 @@ class GPT(nn.Module):
             x = block(x, value_embed, x0, mask)
             if i < half:
                 skips.append(x)
+        if cache is not None:
+            return self.logits(norm(x)[0, :, -1]).float()
         # evaluation and sampling (evals/); training never takes this branch
         if targets is None:
             return self.logits(norm(x)[0]).float()
@@ -469,6 +476,27 @@ class GPT(nn.Module):
                                    self.softcap)
         return F.cross_entropy(self.logits(x).float(), targets)
 
+class KVCache:
+    """For sampling at one token's cost: a batch of sequences' tokens so far and each attention
+    layer's keys and values, up to `length` tokens. GPT.forward gives it to the layers as the mask
+    (their x: (1, batch, T, dim)), with the dense mask's rows of the new tokens."""
+    def __init__(self, batch_size, length, device):
+        self.tokens = torch.empty(batch_size, 0, dtype=torch.int32, device=device)
+        self.length = length
+        self.layers = {}
+
+    def append(self, tokens, window_blocks):
+        self.tokens = torch.cat([self.tokens, tokens], 1)
+        self.mask = build_dense_mask(self.tokens, window_blocks, -tokens.size(1))[:, None]
+        return self
+
+    def extend(self, layer, k, v):
+        if layer not in self.layers:
+            self.layers[layer] = k.new_empty(2, *k.shape[:2], self.length, k.size(-1))
+        end = self.tokens.size(1)
+        self.layers[layer][:, :, :, end - k.size(2):end] = torch.stack([k, v])
+        return self.layers[layer][0, :, :, :end], self.layers[layer][1, :, :, :end], self.mask
+
 # --------------------------------------------------------------------------------------------------
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
 
@@ -478,14 +506,15 @@ def may_attend(q, k, docs, window_blocks):
     Both masks below apply it: the dense one to every pair, the block mask's mask_mod too."""
     causal = k <= q
     in_window = k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks
-    same_document = docs[q] == docs[k]
+    same_document = docs[..., q] == docs[..., k]
     return causal & in_window & same_document
 
-def build_dense_mask(inputs, window_blocks):
-    """The mask as a dense (T, T) boolean matrix: the CPU computes attention with it."""
-    docs = (inputs == EOT).cumsum(0)
-    pos = torch.arange(len(inputs), device=inputs.device)
-    return may_attend(pos[:, None], pos[None, :], docs, window_blocks)
+def build_dense_mask(inputs, window_blocks, start=0):
+    """The mask as a dense (T, T) boolean matrix: the CPU computes attention with it. Of a batch
+    (batch, T) of sequences: (batch, T - start, T), the rows of positions start onward."""
+    docs = (inputs == EOT).cumsum(inputs.ndim - 1)
+    pos = torch.arange(inputs.size(-1), device=inputs.device)
+    return may_attend(pos[start:, None], pos[None, :], docs, window_blocks)
 
 def listed_rows(first, last, window_blocks):
     """For each query block (a row), the counts and lists of its partial and full key blocks, from
@@ -807,9 +836,9 @@ def train(args, checkpoint=None):
                 train_losses.write(wait=True)
                 log(startup_report(args, compiled, stamp, master, step + 1))
         train_losses.write(wait=True)
+        log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
         if hellaswag_examples and not stopping:
             stopping, stop_signal = run_hellaswag(hellaswag_examples, args, log, model, stop)
-        log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
         if stopping or log.failure:
             log_stop(log, stop_signal, step, saved, world_size)
     if world_size > 1:
@@ -2100,12 +2129,20 @@ def load_hellaswag(args):
 
 def run_hellaswag(scorer, args, log, model, stop):
     """The trained model's HellaSwag scores into the log, outside train time, each rank scoring its
-    share with the window the training ended with; (stopping, the signal): a stop signal ends it
-    with no score, as it ends training."""
+    share in sequences of --max_device_batch_size tokens, as validation, with the window the
+    training ended with, and its peak memory (a CPU's: the process's); (stopping, the signal): a
+    stop signal ends it with no score, as it ends training."""
     window_blocks = window_blocks_at(args.num_iterations, args)
-    lines, stop_signal = scorer.score(model, window_blocks, should_stop=lambda: stop.received)
-    for line in lines:
-        log(line)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    lines, stop_signal = scorer.score(model, window_blocks, args.max_device_batch_size,
+                                      should_stop=lambda: stop.received)
+    if lines:
+        details, result = lines
+        log(details)
+        log(f"hellaswag: peak memory {peak_memory_mib(device)} MiB")
+        log(result)
     return stop_signal != 0, stop_signal
 
 # --------------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ ending's tokens: `acc` counts the examples whose lowest summed loss is the label
 score it). The candidates are packed into sequences of the model's own document-causal attention,
 which never crosses a document, so packing changes only the rounding, which is fp32's: the model is
 scored with its bf16 tables cast to fp32. Each candidate lies within the attention window the run
-ended its training with, so none is cut.
+ended its training with, so none is cut. Every sequence has --sequence_length tokens (the last one
+padded with lone 50256s): on a GPU the forward is compiled once for that shape, which makes
+FlexAttention a fused kernel (see loss_per_token).
 
 The data: HellaSwag's validation file (10,042 examples) from its authors' repository at a fixed
 commit, downloaded once into data/hellaswag/ and checked against the git blob id that commit gives
@@ -52,7 +54,7 @@ URL = ("https://raw.githubusercontent.com/rowanz/hellaswag/"
 GIT_BLOB_ID = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 EXAMPLES = 10_042
 CACHED = common.REPO / "data" / "hellaswag" / "hellaswag_val.jsonl"
-# tokens per forward: their fp32 logits take 1.6 GB
+# tokens per forward: their fp32 logits take 1.6 GB (the trainer uses its micro-batch instead)
 SEQUENCE_LENGTH = 8192
 
 
@@ -182,12 +184,41 @@ def pack(lengths, sequence_length, window_blocks, block_size):
     return places
 
 
+def loss_per_token(model, device):
+    """f(tokens, targets, window) -> the model's loss at every position: the forward and the
+    cross-entropy in one function, compiled on a GPU for one fixed sequence length.
+
+    Compiled because FlexAttention is fused only then: torch.nn.attention.flex_attention.
+    flex_attention takes the fused path only when torch.compiler.is_dynamo_compiling() (it then
+    emits the flex_attention higher-order op for the compiler); called eagerly, it runs that op's
+    CompositeExplicitAutograd kernel, sdpa_dense -> math_attention in
+    torch/_higher_order_ops/flex_attention.py, which materialises the whole fp32 score matrix of
+    each head. Under torch.compile, inductor lowers the op through the register_lowering of
+    torch.ops.higher_order.flex_attention in torch/_inductor/kernel/flex/flex_attention.py
+    (flex_attention()), which emits the Triton FlexAttention template on CUDA (sm80 and sm90 have
+    configurations for fp32 and head dim 128), reading the block mask's lists and never building
+    the score matrix. dynamic=False and every sequence the same length: one graph for all.
+    In one graph with the forward, the cross-entropy never writes the softcapped logits again.
+
+    On a CPU the same function runs uncompiled (the model's dense-mask attention; compiling on a
+    CPU takes minutes): the tests check this path, padding and fixed length included, not the
+    compiled one."""
+    def losses(tokens, targets, window):
+        logits = model(tokens, None, window)
+        return F.cross_entropy(logits, targets, reduction="none")
+    if device.type == "cuda":
+        return torch.compile(losses, dynamic=False)
+    return losses
+
+
 @torch.no_grad()
 def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LENGTH,
           should_stop=None):
     """Each candidate's summed loss over its ending and the ending's token count (float64, on the
     CPU), and how they were packed: (sums, counts, sequences, tokens, window in blocks); None as
-    soon as should_stop() is true, checked before each sequence."""
+    soon as should_stop() is true, checked before each sequence. Every sequence is
+    sequence_length tokens (or the longest candidate's whole blocks, if longer), the last one
+    padded, so that a compiled forward has one shape; a lone sequence, its own blocks."""
     # the constants of the trainer that built the model
     trainer = common.trainer_of(model)
     eot = trainer.EOT
@@ -209,14 +240,15 @@ def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LEN
     members = [[] for _ in range(places[-1][0] + 1)]
     for i, (sequence, offset) in enumerate(places):
         members[sequence].append((i, offset))
+    if len(members) == 1:
+        # one sequence (one shape): its whole blocks are enough
+        sequence_length = math.ceil((places[-1][1] + lengths[-1]) / block_size) * block_size
+    losses_of = loss_per_token(model, device)
     for sequence in members:
         if should_stop and should_stop():
             return None
-        # the last sequence may be shorter: whole blocks up to its last token
-        i, offset = sequence[-1]
-        used = math.ceil((offset + len(candidates[i][0])) / block_size) * block_size
         # padding: lone eots, each a document of its own, after the real tokens
-        tokens = torch.full((used,), eot, dtype=torch.int64)
+        tokens = torch.full((sequence_length + 1,), eot, dtype=torch.int64)
         rows = []
         owners = []
         for i, offset in sequence:
@@ -226,10 +258,8 @@ def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LEN
             rows += range(offset + start - 1, offset + len(document) - 1)
             owners += [i] * (len(document) - start)
         tokens = tokens.to(device)
-        rows = torch.tensor(rows, device=device)
-        logits = model(tokens.to(torch.int32), None, window)
-        losses = F.cross_entropy(logits[rows], tokens[rows + 1], reduction="none")
-        sums.index_add_(0, torch.tensor(owners), losses.double().cpu())
+        losses = losses_of(tokens[:-1].to(torch.int32), tokens[1:], window)
+        sums.index_add_(0, torch.tensor(owners), losses[rows].double().cpu())
     return sums, counts, len(members), sum(lengths), window_blocks
 
 
@@ -317,10 +347,12 @@ def evaluate(model, rendered, labels, window_blocks, device=None, rank=None, wor
         raise Stopped(stop_signal)
     by_mean, by_sum, n = correct.tolist()
     seconds = time.perf_counter() - started
-    longest = max(sequence_length, window * block_size)
+    # score() lengthens the sequences to the longest candidate's whole blocks
+    longest = max([len(document) for document, _ in candidates], default=0)
+    length = max(sequence_length, math.ceil(longest / block_size) * block_size)
     details = (f"hellaswag: {n:,} examples in {seconds:.1f} s on {world_size} x {device.type} "
                f"(rank {rank}: {len(candidates):,} candidates, {tokens:,} tokens in {sequences} "
-               f"sequences of up to {longest:,})")
+               f"sequences of up to {length:,})")
     if window > window_blocks:
         details += (f"; candidates longer than the trained window of {window_blocks} blocks were "
                     f"scored whole, with a window of {window}")
@@ -352,11 +384,13 @@ class ForTrainer:
                                              eot=eot)
         self.source = logged_source()
 
-    def score(self, model, window_blocks, should_stop):
-        """The trainer's model scored by every rank (its share): the lines for the log and 0, or
-        no lines and the signal of a stop that should_stop() gave on any rank (no partial score)."""
+    def score(self, model, window_blocks, sequence_length, should_stop):
+        """The trainer's model scored by every rank (its share) in sequences of sequence_length
+        tokens: the lines for the log (what was scored, the scores) and 0, or no lines and the
+        signal of a stop that should_stop() gave on any rank (no partial score)."""
         try:
             acc_norm, acc, n, details = evaluate(model, self.rendered, self.labels, window_blocks,
+                                                 sequence_length=sequence_length,
                                                  should_stop=should_stop)
         except Stopped as stopped:
             return [], stopped.signal
@@ -377,8 +411,8 @@ def run(argv):
     parser.add_argument("--tokenizer", help="a tiktoken ranks file of GPT-2's BPE, for offline "
                         "use (default: tiktoken's own, downloaded once)")
     parser.add_argument("--sequence_length", type=int, default=SEQUENCE_LENGTH,
-                        help="tokens per forward, a multiple of the model's block size, 128 "
-                        "(default: %(default)s)")
+                        help="tokens per forward, a multiple of the model's block size, 128; fewer "
+                        "take less GPU memory (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be at least 1, got {args.limit}")
@@ -397,8 +431,15 @@ def run(argv):
     rendered = render(examples, tokenizer, trainer.EOT)
     labels = [label for _, _, label in examples]
     window_blocks = common.trained_window_blocks(options)
-    acc_norm, acc, n, details = evaluate(model, rendered, labels, window_blocks, device, rank,
-                                         world_size, args.sequence_length)
+    try:
+        acc_norm, acc, n, details = evaluate(model, rendered, labels, window_blocks, device, rank,
+                                             world_size, args.sequence_length)
+    except torch.cuda.OutOfMemoryError:
+        block_size = trainer.BLOCK_SIZE
+        half = max(block_size, args.sequence_length // 2 // block_size * block_size)
+        raise EvalError(f"out of GPU memory with sequences of {args.sequence_length:,} tokens: "
+                        f"pass --sequence_length {half} (shorter sequences change the scores "
+                        "only by fp32 rounding)") from None
     if rank == 0:
         common.print_out(f"{details}\n{result_line(acc_norm, acc, n)}")
     return 0

@@ -3,17 +3,23 @@
     python evals/sample.py logs/<run id>/state_step001390.pt --prompt "The capital of France is"
     python evals/sample.py CHECKPOINT --prompt TEXT --max_new_tokens 200 --temperature 0.8 \\
         --top_k 50 --seed 1
+    python evals/sample.py CHECKPOINT --prompt TEXT --num_samples 4 --temperature 0.8
 
-The prompt starts a document, as in training: 50256 first. Each new token comes from a full
-forward over the document so far (no KV cache), padded after its last token to whole blocks of
-128, which causal attention keeps from changing what comes before. At --temperature 0 (the
-default) it is the likeliest token (greedy); else a draw from softmax(logits / temperature), among
-the --top_k likeliest when given, seeded by --seed. Only the tokenizer's ids are drawn, never the
-rows that pad the head to a multiple of 128. The document stays within the attention window the
-run ended its training with. stdout gets the prompt and its continuation, decoded, nothing
-stripped, and nothing else. The model is the checkpoint's own, built by the trainer whose source it
-carries (see evals/common.py), with that trainer's end-of-text id and block size.
+The prompt starts a document, as in training: 50256 first. The model's own KV cache (KVCache in
+the trainer) keeps each layer's keys and values, so that a new token costs one token's forward,
+however long the document: the prompt is one forward, each new token another. The model runs in
+fp32 (its bf16 tables cast, as HellaSwag scores it), so that the cache changes only fp32 rounding
+against full forwards, where bf16's could flip a close call. At --temperature 0 (the default) a
+new token is the likeliest (greedy); else a draw from softmax(logits / temperature), among the
+--top_k likeliest when given, seeded by --seed. --num_samples N draws N continuations in one
+batch (greedy: N equal ones). Only the tokenizer's ids are drawn, never the rows that pad the head
+to a multiple of 128. The document stays within the attention window the run ended its training
+with. stdout gets the prompt and its continuation, decoded, nothing stripped, and nothing else;
+with several samples, each one so, after a line `--- sample i of N`. The model is the checkpoint's
+own, built by the trainer whose source it carries (see evals/common.py), with that trainer's
+end-of-text id, block size and KV cache.
 """
+import copy
 import math
 import sys
 from pathlib import Path
@@ -30,32 +36,45 @@ from evals.common import EvalError  # noqa: E402
 MIN_TEMPERATURE = torch.finfo(torch.float32).max / torch.finfo(torch.float64).max
 
 
-@torch.no_grad()
 def generate(model, prompt, max_new_tokens, window_blocks, vocab, temperature=0.0, top_k=0,
              generator=None):
     """The prompt's tokens followed by max_new_tokens more, each below vocab (the tokenizer's
     number of ids)."""
-    # the constants of the trainer that built the model
-    trainer = common.trainer_of(model)
-    eot = trainer.EOT
-    block_size = trainer.BLOCK_SIZE
+    return generate_batch(model, prompt, max_new_tokens, window_blocks, vocab, temperature,
+                          top_k, generator)[0]
+
+
+@torch.no_grad()
+def generate_batch(model, prompt, max_new_tokens, window_blocks, vocab, temperature=0.0, top_k=0,
+                   generator=None, num_samples=1):
+    """num_samples continuations of the prompt, drawn in one batch: each the prompt's tokens
+    followed by max_new_tokens more, each below vocab (the tokenizer's number of ids). The model
+    runs in fp32 (a copy, unless it is in fp32 already) with its own KV cache."""
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        model = copy.deepcopy(model).float()
     device = next(model.parameters()).device
     window = torch.tensor(window_blocks, dtype=torch.int32, device=device)
-    tokens = [eot, *prompt]
+    # the module that defined the model's class: a fork's model brings its own cache
+    trainer = common.trainer_of(model)
+    cache = trainer.KVCache(num_samples, 1 + len(prompt) + max_new_tokens, device)
+    tokens = torch.tensor([trainer.EOT, *prompt], dtype=torch.int32, device=device)
+    tokens = tokens.expand(num_samples, -1)
+    new_tokens = tokens
     for _ in range(max_new_tokens):
-        length = math.ceil(len(tokens) / block_size) * block_size
-        padded = torch.full((length,), eot, dtype=torch.int32)
-        padded[:len(tokens)] = torch.tensor(tokens)
-        logits = model(padded.to(device), None, window)[len(tokens) - 1, :vocab]
+        # the logits of each sample's last token, after the forward of the tokens not yet cached
+        logits = model(new_tokens, None, window, cache)[:, :vocab]
         if temperature == 0:
-            tokens.append(int(logits.argmax()))
-            continue
-        logits = logits.double() / temperature
-        if top_k:
-            kth_largest = torch.topk(logits, min(top_k, vocab)).values[-1]
-            logits = logits.masked_fill(logits < kth_largest, -math.inf)
-        tokens.append(int(torch.multinomial(logits.softmax(-1), 1, generator=generator)))
-    return tokens[1:]
+            new_tokens = logits.argmax(-1, keepdim=True)
+        else:
+            # in float64: a temperature down to MIN_TEMPERATURE leaves the logits finite
+            logits = logits.double() / temperature
+            if top_k:
+                kth_largest = torch.topk(logits, min(top_k, vocab)).values[:, -1:]
+                logits = logits.masked_fill(logits < kth_largest, -math.inf)
+            new_tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+        new_tokens = new_tokens.int()
+        tokens = torch.cat([tokens, new_tokens], 1)
+    return tokens[:, 1:].tolist()
 
 
 def main(argv=None):
@@ -74,12 +93,16 @@ def run(argv):
     parser.add_argument("--top_k", type=int, default=0,
                         help="draw among the k likeliest tokens (default 0: among all)")
     parser.add_argument("--seed", type=int, default=0, help="0 to 2**64 - 1 (default: %(default)s)")
+    parser.add_argument("--num_samples", type=int, default=1,
+                        help="continuations drawn in one batch (default: %(default)s)")
     parser.add_argument("--tokenizer", help="a tiktoken ranks file of GPT-2's BPE, for offline "
                         "use (default: tiktoken's own, downloaded once)")
     args = parser.parse_args(argv)
     for name in ("max_new_tokens", "top_k"):
         if getattr(args, name) < 0:
             raise EvalError(f"--{name} must be at least 0, got {getattr(args, name)}")
+    if args.num_samples < 1:
+        raise EvalError(f"--num_samples must be at least 1, got {args.num_samples}")
     if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
         raise EvalError(f"--temperature must be 0 (greedy) or from {MIN_TEMPERATURE:.3g} (below, "
                         f"the logits divided by it overflow) to a finite number, got "
@@ -101,9 +124,15 @@ def run(argv):
                         "tokens (the one it ended its training with): give a shorter prompt or "
                         "fewer new tokens")
     generator = torch.Generator(device).manual_seed(args.seed)
-    tokens = generate(model, prompt, args.max_new_tokens, window_blocks, tokenizer.n_vocab,
-                      args.temperature, args.top_k, generator)
-    common.print_out(tokenizer.decode(tokens))
+    # fp32, as generate_batch needs it: converted here rather than copied there
+    model.float()
+    samples = generate_batch(model, prompt, args.max_new_tokens, window_blocks, tokenizer.n_vocab,
+                             args.temperature, args.top_k, generator, args.num_samples)
+    texts = [tokenizer.decode(tokens) for tokens in samples]
+    if args.num_samples > 1:
+        numbered = enumerate(texts, 1)
+        texts = [f"--- sample {i} of {args.num_samples}\n{text}" for i, text in numbered]
+    common.print_out("\n".join(texts))
     return 0
 
 

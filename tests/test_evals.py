@@ -7,6 +7,7 @@ import functools
 import http.server
 import json
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -419,12 +420,15 @@ def test_trainer_scores_hellaswag_after_the_last_step(markov_shards, tmp_path, c
     assert train_gpt.main([*options, "--hellaswag_data", str(data)]) == 0
     log = finished_log(tmp_path / "logs")
     lines = log.read_text().splitlines()
-    # after the last val line, which holds the train time, and before the memory line
-    assert lines[-4].startswith("step:2/2 val_loss:") and lines[-1].startswith("peak memory")
-    assert lines[-3].startswith("hellaswag: 6 examples in ")
+    # after the last val line, which holds the train time, and the training's peak memory line;
+    # HellaSwag's own peak before its scores
+    assert lines[-5].startswith("step:2/2 val_loss:") and lines[-4].startswith("peak memory")
+    # in sequences of --max_device_batch_size tokens
+    assert lines[-3].startswith("hellaswag: 6 examples in ") and "sequences of up to 128)" in lines[-3]
+    assert re.fullmatch(r"hellaswag: peak memory \d+ MiB", lines[-2])
     model, _ = common.load_model(next(log.parent.glob(f"{log.stem}/state_step000002.pt")), CPU)
     by_mean, by_sum = reference_counts(model.double(), examples, PAIRS)
-    assert lines[-2] == f"hellaswag: acc_norm={by_mean / 6:.4f} acc={by_sum / 6:.4f} n=6"
+    assert lines[-1] == f"hellaswag: acc_norm={by_mean / 6:.4f} acc={by_sum / 6:.4f} n=6"
     # a file that is not HellaSwag's format stops the run before anything is written
     (tmp_path / "bad.jsonl").write_text("not json\n")
     capsys.readouterr()
