@@ -506,7 +506,7 @@ def may_attend(q, k, docs, window_blocks):
     Both masks below apply it: the dense one to every pair, the block mask's mask_mod too."""
     causal = k <= q
     in_window = k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks
-    same_document = docs[..., q] == docs[..., k]
+    same_document = docs[q] == docs[k]
     return causal & in_window & same_document
 
 def build_dense_mask(inputs, window_blocks, start=0):
@@ -514,7 +514,10 @@ def build_dense_mask(inputs, window_blocks, start=0):
     (batch, T) of sequences: (batch, T - start, T), the rows of positions start onward."""
     docs = (inputs == EOT).cumsum(inputs.ndim - 1)
     pos = torch.arange(inputs.size(-1), device=inputs.device)
-    return may_attend(pos[start:, None], pos[None, :], docs, window_blocks)
+    attend = may_attend
+    if inputs.ndim == 2:
+        attend = torch.vmap(may_attend, in_dims=(None, None, 0, None))
+    return attend(pos[start:, None], pos[None, :], docs, window_blocks)
 
 def listed_rows(first, last, window_blocks):
     """For each query block (a row), the counts and lists of its partial and full key blocks, from
