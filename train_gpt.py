@@ -903,7 +903,7 @@ if triton is not None:
                     c_target += tl.where(is_target, SOFTCAP * t, 0)
                 else:
                     # d loss / dz = (softmax(c) - onehot(target)) dc/dz, with dc/dz = 1 - t^2
-                    p = tl.exp(SOFTCAP * t - lse[:, None])
+                    p = tl.exp(SOFTCAP * t - lse[:, None])  # noqa: F821
                     g = tl.where(is_target, p - 1, p) * (1 - t * t) * grad_scale
                     # streamed past L2, which stays for the reads
                     tl.store(row_start[:, None] + col[None, :], g, mask=mask, cache_modifier=".cs")
@@ -1143,9 +1143,9 @@ def setup_device():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     # bf16 matrix units arrived with Ampere
     if torch.cuda.get_device_capability(device) < (8, 0):
-        raise UserError(f"{torch.cuda.get_device_name(device)} has no bf16 support, which this model "
-                        "computes in: it needs an Ampere or newer GPU (A100, A10, L4, L40S, RTX 30xx "
-                        "or later, H100)")
+        raise UserError(f"{torch.cuda.get_device_name(device)} has no bf16 support, which this "
+                        "model computes in: it needs an Ampere or newer GPU (A100, A10, L4, L40S, "
+                        "RTX 30xx or later, H100)")
     torch.cuda.set_device(device)
     return rank, world_size, device
 
@@ -1172,8 +1172,8 @@ def out_of_memory_as_error(micro_batch):
         yield
     except torch.cuda.OutOfMemoryError:
         raise UserError(f"out of GPU memory with micro-batches of {micro_batch:,} tokens: pass "
-                        f"--max_device_batch_size {micro_batch // 2} (half usually fits; the global "
-                        "batch and the maths stay the same)", every_rank=True) from None
+                        f"--max_device_batch_size {micro_batch // 2} (half usually fits; the "
+                        "global batch and the maths stay the same)", every_rank=True) from None
 
 # --------------------------------------------------------------------------------------------------
 # Data budget: which shards a run reads, whether they hold enough tokens, and the generated smoke
@@ -1404,11 +1404,11 @@ def build_loaders(args, rank, world_size, device, val_batch):
     passes = args.num_iterations / train_batches
     fewer_steps = "" if args.resume else ", lower --num_iterations"
     if passes > 1 and not args.allow_data_repeat:
-        raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} train "
-                        f"tokens ({args.num_iterations * args.batch_size:,} tokens) but the train "
-                        f"shards hold {sum(train_loader.sizes):,}, enough for {train_batches} without "
-                        f"repeating: {hint}{fewer_steps}, or pass --allow_data_repeat true to "
-                        "reuse tokens")
+        raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} "
+                        f"train tokens ({args.num_iterations * args.batch_size:,} tokens) but the "
+                        f"train shards hold {sum(train_loader.sizes):,}, enough for "
+                        f"{train_batches} without repeating: {hint}{fewer_steps}, or pass "
+                        "--allow_data_repeat true to reuse tokens")
     val_batches = val_loader.batches_before_wrap(val_batch)
     if args.val_tokens // val_batch > val_batches:
         raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
@@ -1420,9 +1420,9 @@ def build_loaders(args, rank, world_size, device, val_batch):
 # Run log: rank 0's logs/<run id>.txt, which begins with this file's source and the set-up
 
 def to_console(line, stream=None):
-    """Print a line on stdout (or the stream given). A console that has gone away (a closed pipe, a
-    hung-up terminal) never ends the run: the log file goes on, and the stream writes to os.devnull
-    from then on, so that no later print fails, ours or any other code's (Python's flush at exit)."""
+    """Print a line on stdout (or the stream given). A console gone away (a closed pipe, a hung-up
+    terminal) never ends the run: the log goes on, and the stream writes to os.devnull from then on,
+    so that no later print fails, ours or any other code's (Python's flush at exit)."""
     stream = stream or sys.stdout
     try:
         print(line, file=stream, flush=True)
@@ -1698,7 +1698,7 @@ class TrainLossLog:
                      f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
 
 def exit_code(log, stopping, stop_signal):
-    """1 when the log failed; after a stop signal, 128 + its number, as if it had ended the process."""
+    """1 when the log failed; after a stop signal, 128 + its number, as if it ended the process."""
     if log.failure or stop_signal == LOG_WRITE_FAILED:
         return 1
     if stopping:
@@ -2127,8 +2127,9 @@ def parse_args(argv=None, resumed=None):
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
 def last_words(line, console=True, own=True):
-    """A process's final error line: on stderr, in the error file torchrun gave it, and, if the error
-    is this rank's own (not one that every rank met), from a rank other than 0 into rank 0's log."""
+    """A process's final error line: on stderr, in the error file torchrun gave it, and, if the
+    error is this rank's own (not one that every rank met), from a rank other than 0 into rank 0's
+    log."""
     if console:
         to_console(line, sys.stderr)
     tell_launcher(line)
