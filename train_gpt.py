@@ -859,11 +859,9 @@ except ImportError:
     triton = None
 
 # --------------------------------------------------------------------------------------------------
-# Fused head: --fused_head_loss
-#
-# z = x W^T by cuBLAS; then a Triton kernel reads each row of z once for the softcap c = s t with
-# t = tanh(z / s) and the loss logsumexp(c) - c[target]; in training it overwrites z with
-# d(mean loss)/dz. s is GPT.softcap, a constant of the compiled kernel (15 as in record 18); at
+# Fused head (--fused_head_loss): z = x W^T by cuBLAS, then a Triton kernel reads each row of z once
+# for c = s tanh(z / s) and the loss logsumexp(c) - c[target]; in training it overwrites z with
+# d(mean loss)/dz. s is GPT.softcap (15 as in record 18), a constant of the compiled kernel; at
 # start-up, check_fused_head turns the kernel off where GPT.logits or head_loss compute another.
 
 if triton is not None:
@@ -1176,8 +1174,7 @@ def out_of_memory_as_error(micro_batch):
                         "global batch and the maths stay the same)", every_rank=True) from None
 
 # --------------------------------------------------------------------------------------------------
-# Data budget: which shards a run reads, whether they hold enough tokens, and the generated smoke
-# data
+# Data budget: the shards a run reads, whether they hold enough tokens, the generated smoke data
 
 def fetch_hint(num_iterations, batch_size):
     """The command that fetches the FineWeb shards a run reads."""
@@ -1441,8 +1438,7 @@ def tell_launcher(line, code=1):
         Path(path).write_text(json.dumps(dict(message=message)))
 
 def peer_store():
-    """A client of the key-value store torchrun serves at MASTER_ADDR:MASTER_PORT, which every
-    process of the run reaches."""
+    """A client of the key-value store that torchrun serves to every process of the run."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=10))
 
@@ -1452,8 +1448,8 @@ def peer_key(name):
     return f"train_gpt/{os.environ['TORCHELASTIC_RUN_ID']}/{attempt}/{name}"
 
 def post_to_rank_zero(line):
-    """A failing rank's last line, for rank 0's log (PeerErrors): the log has the cause of a run
-    that one rank ended, whichever node that rank was on."""
+    """A failing rank's last line, for rank 0's log (PeerErrors): the cause of a run one rank ended,
+    whichever node it was on."""
     with contextlib.suppress(Exception):
         store = peer_store()
         number = store.add(peer_key("errors"), 1)
@@ -1474,9 +1470,8 @@ def peer_lost(error):
     return UserError(f"another process of the run stopped answering ({first}); this one ends too")
 
 class PeerErrors:
-    """Rank 0 writes into its log the lines other ranks post as they fail. A thread polls for them
-    every second: when a rank dies, rank 0's main thread may be stuck in a collective with it until
-    torchrun kills it, and its log would end without the cause."""
+    """Rank 0's log gets the lines other ranks post as they fail, from a thread that polls every
+    second: the main thread may be stuck in a collective with a dead rank until torchrun ends it."""
     def __init__(self, log):
         self.log = log
         self.written = 0
@@ -1657,10 +1652,9 @@ def step_avg(train_time_ms, timed_steps):
     return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
 class TrainLossLog:
-    """The step lines, with each step's mean train loss over this rank's micro-batches (rank 0's in
-    the log), written without a host-device sync in the step: the device sums the losses and copies
-    the sum to pinned host memory behind an event; a line waits until its event has passed (asked
-    at each step, never waited for) or until the host waits for the device anyway."""
+    """The step lines with each step's mean train loss over rank 0's micro-batches, without a sync
+    in the step: the device sums the losses and copies the sum to pinned host memory behind an
+    event; a line is written once its event has passed (asked each step) or the host waits."""
     def __init__(self, log, device, train_steps, accum_steps):
         self.log = log
         self.device = device
@@ -1713,10 +1707,9 @@ REGIONAL_RECOMPILE_LIMIT = 32
 
 def compile_regions(model):
     """Each block and the head compiled alone: 4 block forms are traced, not 12 blocks. Training
-    traces 4 forms and evaluation 4 more, as many graphs of one function as dynamo keeps by default
-    (recompile_limit, 8): past it dynamo runs the block uncompiled, whose flex attention then builds
-    the whole score matrix (out of memory at 65,536 tokens). So the limit gets headroom, and a form
-    beyond it is an error rather than a silent fallback."""
+    and evaluation trace 4 each, all the graphs of one function dynamo keeps by default (8): past
+    them it runs the block uncompiled, whose flex attention then builds the whole score matrix (out
+    of memory at 65,536 tokens). So the limit gets headroom, and a form beyond it is an error."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                REGIONAL_RECOMPILE_LIMIT)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
@@ -1729,10 +1722,9 @@ def compile_regions(model):
 COMPILE_CACHE_HEADER = "train_gpt compile cache: "
 
 def compile_cache_stamp(args, world_size, device):
-    """What compiled code depends on: a cache file with another stamp is not used. Beyond the
-    versions and the device: the process count (DDP splits the graph at its buckets on 2 or more;
-    Muon stacks each process's share of the matrices), the training micro-batch, and the options
-    that shape the graphs (the graph fact of option()), in their places."""
+    """What compiled code depends on (a cache with another stamp is not used): the versions, the
+    device, the process count (DDP splits the graph at its buckets on 2 or more; Muon stacks each
+    process's share), the micro-batch, and the options with a graph fact (option()), in order."""
     installed = importlib.metadata.distributions(name="triton")
     triton_version = next((d.version for d in installed), None)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -1791,9 +1783,8 @@ def load_compile_cache(path, stamp):
     return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
 def save_compile_cache(path, stamp):
-    """Written to a temp file in the same folder, then renamed into place: never half a cache, and
-    never over a file that is not a cache (start-up refuses one; this catches one put there
-    later)."""
+    """Written to a temp file, then renamed into place: never half a cache, and never over a file
+    that is not a cache (start-up refuses one; this catches one put there later)."""
     if os.path.exists(path) and not is_compile_cache(path):
         return f"not saved: {path} is not a compile cache now, so it stays as it is"
     tmp = temp_path(path)
