@@ -1006,11 +1006,8 @@ def fused_head_loss(x, weight, targets, chunk_rows=0, softcap=GPT.softcap):
 def fused_head_on(option, device):
     """--fused_head_loss, which needs triton: auto means on with NVIDIA's CUDA only. ROCm builds
     also call their GPUs "cuda", but cannot build the kernel's PTX instruction (tanh.approx.f32)."""
-    if triton is None:
-        return False
-    if option == "auto":
-        return device.type == "cuda" and torch.version.hip is None
-    return option == "true"
+    on_nvidia = device.type == "cuda" and torch.version.hip is None
+    return triton is not None and (option == "true" or (option == "auto" and on_nvidia))
 
 # the kernel sums exp(c - softcap) without a running maximum: exact while exp(-2 softcap) is normal
 KERNEL_SOFTCAP_LIMIT = 43
@@ -1077,9 +1074,7 @@ def check_hyperparameters(args):
 
 def switched_on(option, device):
     """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
-    if option == "auto":
-        return device.type == "cuda"
-    return option == "true"
+    return option == "true" or (option == "auto" and device.type == "cuda")
 
 # --------------------------------------------------------------------------------------------------
 # Device set-up
@@ -1087,17 +1082,14 @@ def switched_on(option, device):
 # What torchrun sets for each process it starts. Left over in a shell, they would make one process
 # a rank of a run that does not exist: RANK=1 trains with no log and wrong Muon updates, and
 # WORLD_SIZE=2 waits up to 30 minutes for a second process.
-LAUNCH_VARIABLES = [
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-]
+LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT"]
 
 def check_launch_environment():
     """torchrun's agent sets TORCHELASTIC_RUN_ID with the variables above, for every worker: without
     it, any of them is a leftover, refused on every process before anything waits for another."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return
     found = [name for name in LAUNCH_VARIABLES if name in os.environ]
-    if found:
+    if found and "TORCHELASTIC_RUN_ID" not in os.environ:
         settings = " ".join(f"{name}={shlex.quote(os.environ[name])}" for name in found)
         raise UserError(f"{settings} set in the environment, but this process was not started by "
                         f"torchrun: for one process, `unset {' '.join(found)}` first; for several, "
@@ -1108,9 +1100,8 @@ def nvidia_smi_gpus():
     query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         answer = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
-        listed = answer.stdout
         gpus = []
-        for line in listed.splitlines():
+        for line in answer.stdout.splitlines():
             if line.strip():
                 name, _, driver = line.rpartition(", ")
                 gpus.append((name, driver))
@@ -1182,10 +1173,9 @@ def fetch_hint(num_iterations, batch_size):
     batches_per_shard = max(1, (100_000_000 - 2) // batch_size)
     needed = math.ceil(num_iterations / batches_per_shard)
     # beyond one shard, a spare one: the record's usual advice (9 for the 8 that 1,390 steps read)
+    shards = "1`"
     if needed > 1:
         shards = f"{needed + 1}` (this run reads {needed} train shards)"
-    else:
-        shards = "1`"
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
 
 def no_shard_error(pattern, hint):
@@ -1624,8 +1614,7 @@ class TrainClock:
         self.resumed_steps = resumed_steps
         # a resumed run's first step compiles, so it is not timed either
         self.timed_from = max(start + 1, UNTIMED_STEPS)
-        self.ms = resumed_ms
-        self.t0 = time.perf_counter()
+        self.restart()
 
     def restart(self):
         self.ms = self.resumed_ms
@@ -1853,9 +1842,8 @@ class CleanStop(contextlib.AbstractContextManager):
         self.group = None
         if world_size > 1:
             self.group = dist.new_group(backend="gloo")
-        self.previous = {}
-        for signum in stop_signals():
-            self.previous[signum] = signal.signal(signum, self._on_signal)
+        signums = stop_signals()
+        self.previous = {signum: signal.signal(signum, self._on_signal) for signum in signums}
 
     def _on_signal(self, signum, frame):
         if not self.received:
@@ -1996,12 +1984,11 @@ def tensor_bytes(state, storages=None):
     for a few KiB."""
     if storages is None:
         storages = {}
+    if isinstance(state, dict):
+        state = list(state.values())
     if isinstance(state, torch.Tensor):
         storage = state.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
-    elif isinstance(state, dict):
-        for value in state.values():
-            tensor_bytes(value, storages)
     elif isinstance(state, (list, tuple)):
         for value in state:
             tensor_bytes(value, storages)
