@@ -995,13 +995,12 @@ def fused_head_loss(x, weight, targets, chunk_rows=0, softcap=GPT.softcap):
         return ChunkedHeadLoss.apply(x, weight, targets, chunk_rows, softcap)
     if training:
         return FusedHeadLoss.apply(x, weight, targets, softcap)
+    # evaluation: the loss only, by chunks as in training (without chunk_rows, one of all rows)
+    rows = chunk_rows or len(x)
     w = weight.type_as(x)
-    if chunk_rows:
-        # evaluation: the loss only, by chunks as in training
-        parts = zip(x.split(chunk_rows), targets.split(chunk_rows))
-        losses = [softcapped_cross_entropy_(matmul(xs, w.T), ts, None, softcap) for xs, ts in parts]
-        return torch.cat(losses).mean()
-    return softcapped_cross_entropy_(matmul(x, w.T), targets, softcap=softcap).mean()
+    parts = zip(x.split(rows), targets.split(rows))
+    losses = [softcapped_cross_entropy_(matmul(xs, w.T), ts, None, softcap) for xs, ts in parts]
+    return torch.cat(losses).mean()
 
 def fused_head_on(option, device):
     """--fused_head_loss, which needs triton: auto means on with NVIDIA's CUDA only. ROCm builds
@@ -1359,10 +1358,6 @@ def prepare_shards(args, split, num_tokens):
     os.replace(tmp, path)
     return glob.escape(str(path))
 
-def same_contents(path, other):
-    """Whether two files hold the same bytes: one file under two names, or equal byte for byte."""
-    return os.path.samefile(path, other) or filecmp.cmp(path, other, shallow=False)
-
 def build_loaders(args, rank, world_size, device, val_batch):
     """The train and val loaders, after checking from the shards' headers that the data suffices."""
     hint = fetch_hint(args.num_iterations, args.batch_size)
@@ -1380,10 +1375,12 @@ def build_loaders(args, rank, world_size, device, val_batch):
     if in_both:
         raise UserError(f"{min(in_both)} is matched by both --train_files and --val_files: a run "
                         "must never train on its validation data; narrow one of the globs")
-    # under another name too (a copy, a hard link): shards of the same size, compared
+    # under another name too (a hard link: one file; a copy: shards of the same size, compared)
     for val_path, val_size in zip(val_loader.files, val_loader.sizes):
         for train_path, train_size in zip(train_loader.files, train_loader.sizes):
-            if train_size == val_size and same_contents(train_path, val_path):
+            same = train_size == val_size and (os.path.samefile(train_path, val_path)
+                                               or filecmp.cmp(train_path, val_path, shallow=False))
+            if same:
                 raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
                                 "(a copy or a link): a run must never train on its validation "
                                 "data; take it out of the train shards or narrow --train_files")
