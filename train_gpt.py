@@ -1828,10 +1828,9 @@ def stop_signals():
     return signums
 
 class CleanStop(contextlib.AbstractContextManager):
-    """A stop signal (SIGTERM, SIGINT, SIGHUP) while train() runs sets a flag, and so does a log
-    that cannot be written (LOG_WRITE_FAILED, on rank 0). Every STOP_CHECK_EVERY steps the ranks
-    all-reduce it on a CPU group, and read the result at the next exchange: no host wait, no device
-    sync, and all ranks stop after the same step."""
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) in train(), or rank 0's log failing, sets a flag.
+    Every STOP_CHECK_EVERY steps the ranks all-reduce it on a CPU group and read the result at the
+    next exchange: no host wait, no device sync, and all ranks stop after the same step."""
     def __init__(self, world_size, log):
         self.log = log
         self.received = 0
@@ -1970,15 +1969,13 @@ def resume(checkpoint, log, model, adam, muon, train_loader):
     return checkpoint["step"], checkpoint["timing"]
 
 def os_error_in(error):
-    """The OSError behind an error, or None: torch.save reports a failed write (a full disk) as a
-    RuntimeError raised while handling it."""
+    """The OSError behind an error, or None: torch.save turns a failed write into a RuntimeError."""
     while error is not None and not isinstance(error, OSError):
         error = error.__cause__ or error.__context__
     return error
 
 def tensor_bytes(state, storages=None):
-    """The bytes of the tensors in a nested state, each storage once: what torch.save writes, but
-    for a few KiB."""
+    """A nested state's tensor bytes, each storage once: torch.save's size, less a few KiB."""
     if storages is None:
         storages = {}
     if isinstance(state, dict):
@@ -2102,9 +2099,8 @@ def parse_args(argv=None, resumed=None):
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
 def last_words(line, console=True, own=True):
-    """A process's final error line: on stderr, in the error file torchrun gave it, and, if the
-    error is this rank's own (not one that every rank met), from a rank other than 0 into rank 0's
-    log."""
+    """A process's final error line: on stderr, in the error file torchrun gave it, and, if it is
+    this rank's own error (not one every rank met), from a rank other than 0 into rank 0's log."""
     if console:
         to_console(line, sys.stderr)
     tell_launcher(line)
