@@ -891,11 +891,9 @@ except ImportError:
     triton = None
 
 # --------------------------------------------------------------------------------------------------
-# Fused head: --fused_head_loss
-#
-# z = x W^T by cuBLAS; then a Triton kernel reads each row of z once for the softcap c = s t with
-# t = tanh(z / s) and the loss logsumexp(c) - c[target]; in training it overwrites z with
-# d(mean loss)/dz. s is GPT.softcap, a constant of the compiled kernel (15 as in record 18); at
+# Fused head (--fused_head_loss): z = x W^T by cuBLAS, then a Triton kernel reads each row of z once
+# for c = s tanh(z / s) and the loss logsumexp(c) - c[target]; in training it overwrites z with
+# d(mean loss)/dz. s is GPT.softcap (15 as in record 18), a constant of the compiled kernel; at
 # start-up, check_fused_head turns the kernel off where GPT.logits or head_loss compute another.
 
 if triton is not None:
@@ -935,7 +933,7 @@ if triton is not None:
                     c_target += tl.where(is_target, SOFTCAP * t, 0)
                 else:
                     # d loss / dz = (softmax(c) - onehot(target)) dc/dz, with dc/dz = 1 - t^2
-                    p = tl.exp(SOFTCAP * t - lse[:, None])
+                    p = tl.exp(SOFTCAP * t - lse[:, None])  # noqa: F821
                     g = tl.where(is_target, p - 1, p) * (1 - t * t) * grad_scale
                     # streamed past L2, which stays for the reads
                     tl.store(row_start[:, None] + col[None, :], g, mask=mask, cache_modifier=".cs")
@@ -1029,22 +1027,18 @@ def fused_head_loss(x, weight, targets, chunk_rows=0, softcap=GPT.softcap):
         return ChunkedHeadLoss.apply(x, weight, targets, chunk_rows, softcap)
     if training:
         return FusedHeadLoss.apply(x, weight, targets, softcap)
+    # evaluation: the loss only, by chunks as in training (without chunk_rows, one of all rows)
+    rows = chunk_rows or len(x)
     w = weight.type_as(x)
-    if chunk_rows:
-        # evaluation: the loss only, by chunks as in training
-        parts = zip(x.split(chunk_rows), targets.split(chunk_rows))
-        losses = [softcapped_cross_entropy_(matmul(xs, w.T), ts, None, softcap) for xs, ts in parts]
-        return torch.cat(losses).mean()
-    return softcapped_cross_entropy_(matmul(x, w.T), targets, softcap=softcap).mean()
+    parts = zip(x.split(rows), targets.split(rows))
+    losses = [softcapped_cross_entropy_(matmul(xs, w.T), ts, None, softcap) for xs, ts in parts]
+    return torch.cat(losses).mean()
 
 def fused_head_on(option, device):
     """--fused_head_loss, which needs triton: auto means on with NVIDIA's CUDA only. ROCm builds
     also call their GPUs "cuda", but cannot build the kernel's PTX instruction (tanh.approx.f32)."""
-    if triton is None:
-        return False
-    if option == "auto":
-        return device.type == "cuda" and torch.version.hip is None
-    return option == "true"
+    on_nvidia = device.type == "cuda" and torch.version.hip is None
+    return triton is not None and (option == "true" or (option == "auto" and on_nvidia))
 
 # the kernel sums exp(c - softcap) without a running maximum: exact while exp(-2 softcap) is normal
 KERNEL_SOFTCAP_LIMIT = 43
@@ -1111,9 +1105,7 @@ def check_hyperparameters(args):
 
 def switched_on(option, device):
     """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
-    if option == "auto":
-        return device.type == "cuda"
-    return option == "true"
+    return option == "true" or (option == "auto" and device.type == "cuda")
 
 # --------------------------------------------------------------------------------------------------
 # Device set-up
@@ -1121,17 +1113,14 @@ def switched_on(option, device):
 # What torchrun sets for each process it starts. Left over in a shell, they would make one process
 # a rank of a run that does not exist: RANK=1 trains with no log and wrong Muon updates, and
 # WORLD_SIZE=2 waits up to 30 minutes for a second process.
-LAUNCH_VARIABLES = [
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-]
+LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT"]
 
 def check_launch_environment():
     """torchrun's agent sets TORCHELASTIC_RUN_ID with the variables above, for every worker: without
     it, any of them is a leftover, refused on every process before anything waits for another."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return
     found = [name for name in LAUNCH_VARIABLES if name in os.environ]
-    if found:
+    if found and "TORCHELASTIC_RUN_ID" not in os.environ:
         settings = " ".join(f"{name}={shlex.quote(os.environ[name])}" for name in found)
         raise UserError(f"{settings} set in the environment, but this process was not started by "
                         f"torchrun: for one process, `unset {' '.join(found)}` first; for several, "
@@ -1142,9 +1131,8 @@ def nvidia_smi_gpus():
     query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         answer = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
-        listed = answer.stdout
         gpus = []
-        for line in listed.splitlines():
+        for line in answer.stdout.splitlines():
             if line.strip():
                 name, _, driver = line.rpartition(", ")
                 gpus.append((name, driver))
@@ -1175,9 +1163,9 @@ def setup_device():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     # bf16 matrix units arrived with Ampere
     if torch.cuda.get_device_capability(device) < (8, 0):
-        raise UserError(f"{torch.cuda.get_device_name(device)} has no bf16 support, which this model "
-                        "computes in: it needs an Ampere or newer GPU (A100, A10, L4, L40S, RTX 30xx "
-                        "or later, H100)")
+        raise UserError(f"{torch.cuda.get_device_name(device)} has no bf16 support, which this "
+                        "model computes in: it needs an Ampere or newer GPU (A100, A10, L4, L40S, "
+                        "RTX 30xx or later, H100)")
     torch.cuda.set_device(device)
     return rank, world_size, device
 
@@ -1204,12 +1192,11 @@ def out_of_memory_as_error(micro_batch):
         yield
     except torch.cuda.OutOfMemoryError:
         raise UserError(f"out of GPU memory with micro-batches of {micro_batch:,} tokens: pass "
-                        f"--max_device_batch_size {micro_batch // 2} (half usually fits; the global "
-                        "batch and the maths stay the same)", every_rank=True) from None
+                        f"--max_device_batch_size {micro_batch // 2} (half usually fits; the "
+                        "global batch and the maths stay the same)", every_rank=True) from None
 
 # --------------------------------------------------------------------------------------------------
-# Data budget: which shards a run reads, whether they hold enough tokens, and the generated smoke
-# data
+# Data budget: the shards a run reads, whether they hold enough tokens, the generated smoke data
 
 def fetch_hint(num_iterations, batch_size):
     """The command that fetches the FineWeb shards a run reads."""
@@ -1217,10 +1204,9 @@ def fetch_hint(num_iterations, batch_size):
     batches_per_shard = max(1, (100_000_000 - 2) // batch_size)
     needed = math.ceil(num_iterations / batches_per_shard)
     # beyond one shard, a spare one: the record's usual advice (9 for the 8 that 1,390 steps read)
+    shards = "1`"
     if needed > 1:
         shards = f"{needed + 1}` (this run reads {needed} train shards)"
-    else:
-        shards = "1`"
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
 
 def no_shard_error(pattern, hint):
@@ -1404,10 +1390,6 @@ def prepare_shards(args, split, num_tokens):
     os.replace(tmp, path)
     return glob.escape(str(path))
 
-def same_contents(path, other):
-    """Whether two files hold the same bytes: one file under two names, or equal byte for byte."""
-    return os.path.samefile(path, other) or filecmp.cmp(path, other, shallow=False)
-
 def build_loaders(args, rank, world_size, device, val_batch):
     """The train and val loaders, after checking from the shards' headers that the data suffices."""
     hint = fetch_hint(args.num_iterations, args.batch_size)
@@ -1425,10 +1407,12 @@ def build_loaders(args, rank, world_size, device, val_batch):
     if in_both:
         raise UserError(f"{min(in_both)} is matched by both --train_files and --val_files: a run "
                         "must never train on its validation data; narrow one of the globs")
-    # under another name too (a copy, a hard link): shards of the same size, compared
+    # under another name too (a hard link: one file; a copy: shards of the same size, compared)
     for val_path, val_size in zip(val_loader.files, val_loader.sizes):
         for train_path, train_size in zip(train_loader.files, train_loader.sizes):
-            if train_size == val_size and same_contents(train_path, val_path):
+            same = train_size == val_size and (os.path.samefile(train_path, val_path)
+                                               or filecmp.cmp(train_path, val_path, shallow=False))
+            if same:
                 raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
                                 "(a copy or a link): a run must never train on its validation "
                                 "data; take it out of the train shards or narrow --train_files")
@@ -1436,11 +1420,11 @@ def build_loaders(args, rank, world_size, device, val_batch):
     passes = args.num_iterations / train_batches
     fewer_steps = "" if args.resume else ", lower --num_iterations"
     if passes > 1 and not args.allow_data_repeat:
-        raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} train "
-                        f"tokens ({args.num_iterations * args.batch_size:,} tokens) but the train "
-                        f"shards hold {sum(train_loader.sizes):,}, enough for {train_batches} without "
-                        f"repeating: {hint}{fewer_steps}, or pass --allow_data_repeat true to "
-                        "reuse tokens")
+        raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} "
+                        f"train tokens ({args.num_iterations * args.batch_size:,} tokens) but the "
+                        f"train shards hold {sum(train_loader.sizes):,}, enough for "
+                        f"{train_batches} without repeating: {hint}{fewer_steps}, or pass "
+                        "--allow_data_repeat true to reuse tokens")
     val_batches = val_loader.batches_before_wrap(val_batch)
     if args.val_tokens // val_batch > val_batches:
         raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
@@ -1452,9 +1436,9 @@ def build_loaders(args, rank, world_size, device, val_batch):
 # Run log: rank 0's logs/<run id>.txt, which begins with this file's source and the set-up
 
 def to_console(line, stream=None):
-    """Print a line on stdout (or the stream given). A console that has gone away (a closed pipe, a
-    hung-up terminal) never ends the run: the log file goes on, and the stream writes to os.devnull
-    from then on, so that no later print fails, ours or any other code's (Python's flush at exit)."""
+    """Print a line on stdout (or the stream given). A console gone away (a closed pipe, a hung-up
+    terminal) never ends the run: the log goes on, and the stream writes to os.devnull from then on,
+    so that no later print fails, ours or any other code's (Python's flush at exit)."""
     stream = stream or sys.stdout
     try:
         print(line, file=stream, flush=True)
@@ -1473,8 +1457,7 @@ def tell_launcher(line, code=1):
         Path(path).write_text(json.dumps(dict(message=message)))
 
 def peer_store():
-    """A client of the key-value store torchrun serves at MASTER_ADDR:MASTER_PORT, which every
-    process of the run reaches."""
+    """A client of the key-value store that torchrun serves to every process of the run."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=10))
 
@@ -1484,8 +1467,8 @@ def peer_key(name):
     return f"train_gpt/{os.environ['TORCHELASTIC_RUN_ID']}/{attempt}/{name}"
 
 def post_to_rank_zero(line):
-    """A failing rank's last line, for rank 0's log (PeerErrors): the log has the cause of a run
-    that one rank ended, whichever node that rank was on."""
+    """A failing rank's last line, for rank 0's log (PeerErrors): the cause of a run one rank ended,
+    whichever node it was on."""
     with contextlib.suppress(Exception):
         store = peer_store()
         number = store.add(peer_key("errors"), 1)
@@ -1506,9 +1489,8 @@ def peer_lost(error):
     return UserError(f"another process of the run stopped answering ({first}); this one ends too")
 
 class PeerErrors:
-    """Rank 0 writes into its log the lines other ranks post as they fail. A thread polls for them
-    every second: when a rank dies, rank 0's main thread may be stuck in a collective with it until
-    torchrun kills it, and its log would end without the cause."""
+    """Rank 0's log gets the lines other ranks post as they fail, from a thread that polls every
+    second: the main thread may be stuck in a collective with a dead rank until torchrun ends it."""
     def __init__(self, log):
         self.log = log
         self.written = 0
@@ -1662,8 +1644,7 @@ class TrainClock:
         self.resumed_steps = resumed_steps
         # a resumed run's first step compiles, so it is not timed either
         self.timed_from = max(start + 1, UNTIMED_STEPS)
-        self.ms = resumed_ms
-        self.t0 = time.perf_counter()
+        self.restart()
 
     def restart(self):
         self.ms = self.resumed_ms
@@ -1690,10 +1671,9 @@ def step_avg(train_time_ms, timed_steps):
     return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
 class TrainLossLog:
-    """The step lines, with each step's mean train loss over this rank's micro-batches (rank 0's in
-    the log), written without a host-device sync in the step: the device sums the losses and copies
-    the sum to pinned host memory behind an event; a line waits until its event has passed (asked
-    at each step, never waited for) or until the host waits for the device anyway."""
+    """The step lines with each step's mean train loss over rank 0's micro-batches, without a sync
+    in the step: the device sums the losses and copies the sum to pinned host memory behind an
+    event; a line is written once its event has passed (asked each step) or the host waits."""
     def __init__(self, log, device, train_steps, accum_steps):
         self.log = log
         self.device = device
@@ -1731,7 +1711,7 @@ class TrainLossLog:
                      f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
 
 def exit_code(log, stopping, stop_signal):
-    """1 when the log failed; after a stop signal, 128 + its number, as if it had ended the process."""
+    """1 when the log failed; after a stop signal, 128 + its number, as if it ended the process."""
     if log.failure or stop_signal == LOG_WRITE_FAILED:
         return 1
     if stopping:
@@ -1746,10 +1726,9 @@ REGIONAL_RECOMPILE_LIMIT = 32
 
 def compile_regions(model):
     """Each block and the head compiled alone: 4 block forms are traced, not 12 blocks. Training
-    traces 4 forms and evaluation 4 more, as many graphs of one function as dynamo keeps by default
-    (recompile_limit, 8): past it dynamo runs the block uncompiled, whose flex attention then builds
-    the whole score matrix (out of memory at 65,536 tokens). So the limit gets headroom, and a form
-    beyond it is an error rather than a silent fallback."""
+    and evaluation trace 4 each, all the graphs of one function dynamo keeps by default (8): past
+    them it runs the block uncompiled, whose flex attention then builds the whole score matrix (out
+    of memory at 65,536 tokens). So the limit gets headroom, and a form beyond it is an error."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                REGIONAL_RECOMPILE_LIMIT)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
@@ -1762,10 +1741,9 @@ def compile_regions(model):
 COMPILE_CACHE_HEADER = "train_gpt compile cache: "
 
 def compile_cache_stamp(args, world_size, device):
-    """What compiled code depends on: a cache file with another stamp is not used. Beyond the
-    versions and the device: the process count (DDP splits the graph at its buckets on 2 or more;
-    Muon stacks each process's share of the matrices), the training micro-batch, and the options
-    that shape the graphs (the graph fact of option()), in their places."""
+    """What compiled code depends on (a cache with another stamp is not used): the versions, the
+    device, the process count (DDP splits the graph at its buckets on 2 or more; Muon stacks each
+    process's share), the micro-batch, and the options with a graph fact (option()), in order."""
     installed = importlib.metadata.distributions(name="triton")
     triton_version = next((d.version for d in installed), None)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -1824,9 +1802,8 @@ def load_compile_cache(path, stamp):
     return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
 def save_compile_cache(path, stamp):
-    """Written to a temp file in the same folder, then renamed into place: never half a cache, and
-    never over a file that is not a cache (start-up refuses one; this catches one put there
-    later)."""
+    """Written to a temp file, then renamed into place: never half a cache, and never over a file
+    that is not a cache (start-up refuses one; this catches one put there later)."""
     if os.path.exists(path) and not is_compile_cache(path):
         return f"not saved: {path} is not a compile cache now, so it stays as it is"
     tmp = temp_path(path)
@@ -1886,10 +1863,9 @@ def stop_signals():
     return signums
 
 class CleanStop(contextlib.AbstractContextManager):
-    """A stop signal (SIGTERM, SIGINT, SIGHUP) while train() runs sets a flag, and so does a log
-    that cannot be written (LOG_WRITE_FAILED, on rank 0). Every STOP_CHECK_EVERY steps the ranks
-    all-reduce it on a CPU group, and read the result at the next exchange: no host wait, no device
-    sync, and all ranks stop after the same step."""
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) in train(), or rank 0's log failing, sets a flag.
+    Every STOP_CHECK_EVERY steps the ranks all-reduce it on a CPU group and read the result at the
+    next exchange: no host wait, no device sync, and all ranks stop after the same step."""
     def __init__(self, world_size, log):
         self.log = log
         self.received = 0
@@ -1897,9 +1873,8 @@ class CleanStop(contextlib.AbstractContextManager):
         self.group = None
         if world_size > 1:
             self.group = dist.new_group(backend="gloo")
-        self.previous = {}
-        for signum in stop_signals():
-            self.previous[signum] = signal.signal(signum, self._on_signal)
+        signums = stop_signals()
+        self.previous = {signum: signal.signal(signum, self._on_signal) for signum in signums}
 
     def _on_signal(self, signum, frame):
         if not self.received:
@@ -2029,23 +2004,20 @@ def resume(checkpoint, log, model, adam, muon, train_loader):
     return checkpoint["step"], checkpoint["timing"]
 
 def os_error_in(error):
-    """The OSError behind an error, or None: torch.save reports a failed write (a full disk) as a
-    RuntimeError raised while handling it."""
+    """The OSError behind an error, or None: torch.save turns a failed write into a RuntimeError."""
     while error is not None and not isinstance(error, OSError):
         error = error.__cause__ or error.__context__
     return error
 
 def tensor_bytes(state, storages=None):
-    """The bytes of the tensors in a nested state, each storage once: what torch.save writes, but
-    for a few KiB."""
+    """A nested state's tensor bytes, each storage once: torch.save's size, less a few KiB."""
     if storages is None:
         storages = {}
+    if isinstance(state, dict):
+        state = list(state.values())
     if isinstance(state, torch.Tensor):
         storage = state.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
-    elif isinstance(state, dict):
-        for value in state.values():
-            tensor_bytes(value, storages)
     elif isinstance(state, (list, tuple)):
         for value in state:
             tensor_bytes(value, storages)
@@ -2173,8 +2145,8 @@ def parse_args(argv=None, resumed=None):
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
 def last_words(line, console=True, own=True):
-    """A process's final error line: on stderr, in the error file torchrun gave it, and, if the error
-    is this rank's own (not one that every rank met), from a rank other than 0 into rank 0's log."""
+    """A process's final error line: on stderr, in the error file torchrun gave it, and, if it is
+    this rank's own error (not one every rank met), from a rank other than 0 into rank 0's log."""
     if console:
         to_console(line, sys.stderr)
     tell_launcher(line)
