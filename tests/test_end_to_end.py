@@ -84,7 +84,7 @@ def test_checkpoint_is_the_final_model_and_reproduces_the_final_val_loss(smoke_r
     model = train_gpt.GPT.from_args(args)
     model.load_state_dict(state["model"])
     # the val loss recomputed here, chunk by chunk from the val tokens, must be the logged one
-    val = torch.tensor(markov_shards[2][:args.val_tokens + 1])
+    val = torch.tensor(markov_shards[2][:args.val_tokens + 1], dtype=torch.int64)
     window = torch.tensor(train_gpt.window_blocks_at(4, args), dtype=torch.int32)
     chunk = args.max_device_batch_size
     with torch.no_grad():

@@ -236,7 +236,7 @@ def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(
         at = text.index(header)
         assert at < source_end
         assert text[at + len(header):].startswith((REPO / name).read_text())
-    assert text.splitlines()[-2].startswith("hellaswag: acc_norm=")
+    assert text.splitlines()[-1].startswith("hellaswag: acc_norm=")
 
     (checkpoint,) = (tmp_path / "logs").glob("*/state_step000002.pt")
     tools_run = ("from evals import hellaswag\n"
