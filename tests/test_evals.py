@@ -424,7 +424,8 @@ def test_trainer_scores_hellaswag_after_the_last_step(markov_shards, tmp_path, c
     # HellaSwag's own peak before its scores
     assert lines[-5].startswith("step:2/2 val_loss:") and lines[-4].startswith("peak memory")
     # in sequences of --max_device_batch_size tokens
-    assert lines[-3].startswith("hellaswag: 6 examples in ") and "sequences of up to 128)" in lines[-3]
+    assert lines[-3].startswith("hellaswag: 6 examples in ")
+    assert "sequences of up to 128)" in lines[-3]
     assert re.fullmatch(r"hellaswag: peak memory \d+ MiB", lines[-2])
     model, _ = common.load_model(next(log.parent.glob(f"{log.stem}/state_step000002.pt")), CPU)
     by_mean, by_sum = reference_counts(model.double(), examples, PAIRS)
