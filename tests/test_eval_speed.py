@@ -15,6 +15,7 @@ import pytest
 import tiktoken
 import torch
 import torch.nn.functional as F
+from helpers import smoke_marked
 from torch.utils.flop_counter import FlopCounterMode
 
 import train_gpt
@@ -122,14 +123,12 @@ def test_hellaswag_forward_is_compiled_on_cuda_and_plain_on_a_cpu():
 
 # --- sampling -------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smoke_checkpoint(tmp_path_factory):
-    """The smoke preset trained once, in this process, with its checkpoint."""
-    log_dir = tmp_path_factory.mktemp("smoke_for_sampling")
-    options = ["--preset", "smoke", "--val_loss_every", "0", "--val_tokens", "512",
-               "--save_checkpoint", "true", "--log_dir", str(log_dir)]
-    assert train_gpt.main(options) == 0
-    (path,) = log_dir.glob("*/state_step000012.pt")
+@pytest.fixture
+def smoke_checkpoint(smoke_runs):
+    """The checkpoint of the session's short smoke run (a background run shared with other tests:
+    4 steps of the smoke preset on the Markov shards; its window ends at 4 blocks, 512 tokens)."""
+    log = smoke_runs.short(1)
+    (path,) = log.parent.glob(f"{log.stem}/state_step000004.pt")
     return path
 
 
@@ -144,6 +143,7 @@ def greedy_by_full_forwards(model, tokens, count):
 
 
 @pytest.mark.slow
+@smoke_marked(("short", 1))
 def test_cached_greedy_text_equals_full_forwards_on_a_trained_checkpoint(smoke_checkpoint):
     model, options = common.load_model(smoke_checkpoint, torch.device("cpu"))
     window_blocks = common.trained_window_blocks(options)
