@@ -266,12 +266,12 @@ class Muon(torch.optim.Optimizer):
             share = len(orthogonalised) // self.world_size
             for i, p in enumerate(group["params"]):
                 # matrix i is rank (i % W)'s, the (i // W)-th of its share
-                O = orthogonalised[i % self.world_size * share + i // self.world_size]
+                update = orthogonalised[i % self.world_size * share + i // self.world_size]
                 if p.size(0) > p.size(1):
-                    O = O.mT
+                    update = update.mT
                 # the same RMS step size for tall and wide matrices
                 scale = max(1, p.size(0) / p.size(1)) ** 0.5
-                p.add_(O, alpha=-group["lr"] * scale)
+                p.add_(update, alpha=-group["lr"] * scale)
 
     def _stack_updates(self, mine, group, stacked):
         """Momentum and Nesterov's look-ahead for this rank's matrices, into the stacked batch."""
@@ -591,7 +591,6 @@ def load_data_shard(path, vocab_size=None):
             raise UserError(f"{path}: file changed while reading")
     ids = tokens.numpy()
     if vocab_size is not None and num_tokens > 0 and ids.max() >= vocab_size:
-        # the first bad id
         at = int(np.argmax(ids >= vocab_size))
         raise UserError(f"{path}: token id {ids[at]} at position {at:,} is not below --vocab_size "
                         f"{vocab_size}: shards made with another tokenizer (pass its "
@@ -687,16 +686,16 @@ def build_optimizers(model, args, compiled=False):
     return adam, muon
 
 @torch.no_grad()
-def evaluate(model, loader, args, val_batch, window_blocks, world_size):
+def evaluate(model, loader, args, val_batch, window_blocks):
     """The mean loss over the first val_tokens validation tokens, the same on every rank."""
     model.eval()
     loader.reset()
     steps = args.val_tokens // val_batch
     total = sum(model(*loader.next_batch(val_batch), window_blocks) for _ in range(steps)) / steps
-    if world_size > 1:
+    if loader.world_size > 1:
         # gloo has no AVG
         dist.all_reduce(total)
-        total /= world_size
+        total /= loader.world_size
     model.train()
     return total.item()
 
@@ -704,8 +703,7 @@ def evaluate(model, loader, args, val_batch, window_blocks, world_size):
 # Training
 
 def micro_batch_plan(args, world_size):
-    """The micro-batch size, micro-batches per step and the val batch, with the checks that need the
-    process count."""
+    """Micro-batch size, micro-batches a step and val batch, checked against the process count."""
     share = args.batch_size // world_size
     val_batch = world_size * args.max_device_batch_size
     micro_batch = min(args.max_device_batch_size, share)
@@ -792,11 +790,9 @@ def train(args, checkpoint=None):
                 clock.pause()
                 train_losses.write(wait=True)
                 if checkpoint_now:
-                    saved = save_checkpoint(args, log, step, model, adam, muon, train_loader,
-                                            clock.ms, clock.timed_steps(step))
+                    saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, clock)
                 if validate_now:
-                    val_loss = evaluate(train_model, val_loader, args, val_batch, window_blocks,
-                                        world_size)
+                    val_loss = evaluate(train_model, val_loader, args, val_batch, window_blocks)
                     average = step_avg(clock.ms, clock.timed_steps(step))
                     log(f"step:{step}/{train_steps} val_loss:{val_loss:.4f} "
                         f"train_time:{clock.ms:.0f}ms step_avg:{average:.2f}ms")
@@ -830,9 +826,7 @@ def train(args, checkpoint=None):
             model.zero_grad(set_to_none=True)
 
             # --------------- LOGGING ---------------
-            approx_ms = clock.elapsed_ms()
-            average = step_avg(approx_ms, clock.timed_steps(step + 1))
-            train_losses.step_done(step, approx_ms, average)
+            train_losses.step_done(step, clock)
             # all has compiled now: evaluation at step 0, the model and the optimisers in step 1
             if step == start:
                 synchronize(device)
@@ -1263,8 +1257,7 @@ def checkpoint_on_data_fault(args, log, step, model, adam, muon, train_loader, c
     except UserError as fault:
         if args.save_checkpoint or args.checkpoint_every > 0:
             clock.pause()
-            saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, clock.ms,
-                                    clock.timed_steps(step))
+            saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, clock)
             world_size = dist.get_world_size() if dist.is_initialized() else 1
             if saved:
                 raise UserError(f"{fault}, then: {resume_command(saved, world_size)}") from None
@@ -1687,7 +1680,10 @@ class TrainLossLog:
     def add(self, step, loss):
         self.sums[step].add_(loss.detach())
 
-    def step_done(self, step, train_time_ms, average):
+    def step_done(self, step, clock):
+        """Queue the step's line, with the train time so far (approximate: no device wait)."""
+        train_time_ms = clock.elapsed_ms()
+        average = step_avg(train_time_ms, clock.timed_steps(step + 1))
         self.host_sums[step].copy_(self.sums[step], non_blocking=True)
         # on the CPU the copy is done already
         event = None
@@ -2023,7 +2019,7 @@ def tensor_bytes(state, storages=None):
             tensor_bytes(value, storages)
     return sum(storages.values())
 
-def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time_ms, timed_steps):
+def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
     """Rank 0 writes a temp file and renames it into place (never half a checkpoint); a run keeps
     the last two it wrote, and deletes no other file. Every rank takes part: each holds the Muon
     momenta of its own matrices. A write that fails (a full disk) is one warning: the partial file
@@ -2041,7 +2037,8 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
     if not log.master:
         return path
     # before the first timed step, no time has been counted
-    timing = (train_time_ms if timed_steps else 0.0, timed_steps)
+    timed_steps = clock.timed_steps(step)
+    timing = (clock.ms if timed_steps else 0.0, timed_steps)
     state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
                  loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
                  source=SOURCE, source_sha256=SOURCE_SHA256,
