@@ -846,11 +846,9 @@ def train(args, checkpoint=None):
 # ==================================================================================================
 # Everything above is the speedrun: a change to the model, the optimiser or the schedule needs
 # nothing below. Below, first, the fused-head kernels: the default GPU path, which CUDA runs in
-# place of GPT.head_loss (--fused_head_loss auto). They mirror GPT.logits (softcap GPT.softcap)
-# and its cross-entropy; at start-up a check compares them with GPT's head, which runs instead
-# where they differ. Then the operations that make a run safe and repeatable (option checks, which
-# read each option's facts from its field, device set-up, data budget, run log, train time and the
-# step lines, compile options and cache, checkpoints, resume and stopping, argument parsing, main).
+# place of GPT.head_loss (--fused_head_loss auto) where a start-up check finds they compute it.
+# Then what makes a run safe and repeatable: option checks, device set-up, data budget, run log,
+# train time and step lines, compile options and cache, checkpoints, resume and stopping, main.
 # ==================================================================================================
 
 import argparse
@@ -966,8 +964,7 @@ def softcapped_cross_entropy_(logits, targets, grad_scale=None, softcap=GPT.soft
     return losses
 
 class FusedHeadLoss(torch.autograd.Function):
-    """The forward pass leaves d(mean loss)/dz in the logits' buffer z; the backward pass scales the
-    small products, never z itself."""
+    """Forward leaves d(mean loss)/dz in the logits' buffer z; backward scales small products."""
     @staticmethod
     def forward(ctx, x, weight, targets, softcap):
         # the logits, until the kernel overwrites them with their gradient
@@ -988,8 +985,7 @@ class FusedHeadLoss(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 class ChunkedHeadLoss(torch.autograd.Function):
-    """FusedHeadLoss by chunks of rows: never all the logits at once. The forward pass computes the
-    gradients too; the backward pass scales them."""
+    """FusedHeadLoss by chunks of rows, never all logits at once: forward computes the gradients."""
     @staticmethod
     def forward(ctx, x, weight, targets, chunk_rows, softcap):
         w = weight.type_as(x)
@@ -1062,8 +1058,7 @@ def head_matches_kernel(model):
     return same_loss and torch.allclose(logits, expected, rtol=1e-3, atol=1e-3)
 
 def check_fused_head(model, option, log):
-    """--fused_head_loss on a model whose head the kernel does not compute (a fork's): true is
-    refused; auto falls back to the plain head, saying so."""
+    """A fork's head the kernel cannot compute: --fused_head_loss true refused, auto falls back."""
     if not model.fused_head_loss or head_matches_kernel(model):
         return
     reason = ("GPT.logits or GPT.head_loss is not the kernel's softcap tanh(z / softcap) and "
@@ -1125,12 +1120,8 @@ def nvidia_smi_gpus():
     query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         answer = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
-        gpus = []
-        for line in answer.stdout.splitlines():
-            if line.strip():
-                name, _, driver = line.rpartition(", ")
-                gpus.append((name, driver))
-        return gpus
+        rows = [line.rpartition(", ") for line in answer.stdout.splitlines() if line.strip()]
+        return [(name, driver) for name, _, driver in rows]
     return []
 
 def setup_device():
@@ -1138,9 +1129,7 @@ def setup_device():
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if not torch.cuda.is_available():
-        gpus = []
-        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
-            gpus = nvidia_smi_gpus()
+        gpus = nvidia_smi_gpus() if os.environ.get("CUDA_VISIBLE_DEVICES") != "" else []
         if gpus:
             raise UserError(
                 f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only) cannot use "
@@ -1231,8 +1220,7 @@ def shard_facts(path, expected=None):
     return facts
 
 def reopen_shard(loader, shard):
-    """A shard's tokens; gone, unreadable or changed since start-up, it ends the run on every rank
-    after the same step (they agree here)."""
+    """A shard's tokens; gone, unreadable or changed, it ends the run on all ranks (they agree)."""
     failure = ""
     try:
         shard_facts(loader.files[shard], loader.facts[shard])
@@ -1460,8 +1448,7 @@ def peer_key(name):
     return f"train_gpt/{os.environ['TORCHELASTIC_RUN_ID']}/{attempt}/{name}"
 
 def post_to_rank_zero(line):
-    """A failing rank's last line, for rank 0's log (PeerErrors): the cause of a run one rank ended,
-    whichever node it was on."""
+    """A failing rank's last line, for rank 0's log (PeerErrors): why the run ended, any node."""
     with contextlib.suppress(Exception):
         store = peer_store()
         number = store.add(peer_key("errors"), 1)
@@ -1559,8 +1546,7 @@ class RunLog(contextlib.AbstractContextManager):
                     self.peers = PeerErrors(self)
 
     def __call__(self, line, console=True):
-        """Write a line to the log (under a lock: PeerErrors' thread writes too) and, unless console
-        is False, to stdout (or the stream given)."""
+        """Log a line (locked: PeerErrors' thread writes too); print it unless console is False."""
         if not self.master:
             return
         if console is True:
@@ -1596,9 +1582,7 @@ class RunLog(contextlib.AbstractContextManager):
 
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
         """Versions, GPUs, options and shards into the log; the data line on the console too."""
-        gpu = "cpu"
-        if device.type == "cuda":
-            gpu = torch.cuda.get_device_name(device)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         lines = [
             f"Running Python {sys.version}",
             f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
@@ -1850,8 +1834,7 @@ def stop_if_diverged(val_loss, step):
                         "--head_lr, --scalar_lr)")
 
 def stop_signals():
-    """SIGTERM and SIGINT, and SIGHUP where it exists (what a closed ssh session sends) unless it is
-    ignored: under nohup a hang-up stays harmless."""
+    """SIGTERM, SIGINT, and SIGHUP (a closed ssh session) where it exists, unless nohup ignores."""
     signums = [signal.SIGTERM, signal.SIGINT]
     hangup = getattr(signal, "SIGHUP", None)
     if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
@@ -1903,8 +1886,7 @@ class CleanStop(contextlib.AbstractContextManager):
         return 0
 
 def resume_command(path, world_size):
-    """The command that goes on from checkpoint `path`, launched as this run was, to paste in the
-    folder this run was started from."""
+    """The command that goes on from checkpoint `path`, launched as this run was, in its folder."""
     script_and_options = f"{shlex.quote(os.path.relpath(__file__))} --resume {shlex.quote(path)}"
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return f"python {script_and_options}"
@@ -1940,8 +1922,7 @@ def log_stop(log, stop_signal, step, saved, world_size):
     tell_launcher(line, exit_code(log, True, stop_signal))
 
 def train_shards(args, loader=None):
-    """Names and token counts of the train shards ("synthetic": none, its stream is fixed by the
-    options); a loader's, as they were at start-up."""
+    """The train shards' name:tokens (none if "synthetic"); a loader's as they were at start-up."""
     if loader is not None and args.train_files != "synthetic":
         return [f"{os.path.basename(path)}:{n}" for path, n in zip(loader.files, loader.sizes)]
     paths = sorted(glob.glob(args.train_files))
@@ -1980,8 +1961,7 @@ def load_checkpoint(argv, path):
     return args, dict(checkpoint, note=note)
 
 def resume(checkpoint, log, model, adam, muon, train_loader):
-    """Load this rank's part of a checkpoint, popping each part to free the rest; returns the step
-    to start from and the timing so far (a new run: step 0, no time)."""
+    """Load this rank's part of a checkpoint (each part popped: freed); the start step, timing."""
     if checkpoint is None:
         return 0, (0.0, 0)
     model.load_state_dict(checkpoint.pop("model"))
@@ -2126,8 +2106,7 @@ def parse_bool(text):
     return text.lower() in ("1", "true", "yes", "on")
 
 def parse_args(argv=None, resumed=None):
-    """Options from the command line; the defaults are Hyperparameters', replaced by a --preset's
-    values and then by a resumed checkpoint's."""
+    """Command-line options over defaults: Hyperparameters', then a --preset's, a checkpoint's."""
     preset_parser = argparse.ArgumentParser(add_help=False)
     preset_parser.add_argument("--preset", choices=sorted(PRESETS))
     description = "NanoGPT speedrun trainer. Every option has a default."
