@@ -755,7 +755,7 @@ def train(args, checkpoint=None):
     train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
     compiled = switched_on(args.compile, device)
     stamp = compile_cache_stamp(args, world_size, device)
-    cache_note = load_compile_cache_if_asked(args, compiled, stamp)
+    cache_note = load_compile_cache(args.compile_cache, stamp, compiled)
     if world_size > 1:
         start_process_group(device)
     master = (rank == 0)
@@ -885,8 +885,7 @@ except ImportError:
 # --------------------------------------------------------------------------------------------------
 # Fused head (--fused_head_loss): z = x W^T by cuBLAS, then a Triton kernel reads each row of z once
 # for c = s tanh(z / s) and the loss logsumexp(c) - c[target]; in training it overwrites z with
-# d(mean loss)/dz. s is GPT.softcap (15 as in record 18), a constant of the compiled kernel; at
-# start-up, check_fused_head turns the kernel off where GPT.logits or head_loss compute another.
+# d(mean loss)/dz. s is GPT.softcap (15 as in record 18), a constant of the compiled kernel.
 
 if triton is not None:
     @triton.jit
@@ -1153,7 +1152,6 @@ def setup_device():
     return rank, world_size, device
 
 def start_process_group(device):
-    """NCCL bound to this process's GPU; gloo on a CPU."""
     if device.type == "cuda":
         dist.init_process_group(backend="nccl", device_id=device)
     else:
@@ -1499,14 +1497,6 @@ class PeerErrors:
             with contextlib.suppress(Exception):
                 self._catch_up()
 
-def nvidia_smi_report():
-    """nvidia-smi's table for the log, or why there is none: a broken driver can make it hang."""
-    try:
-        answer = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"nvidia-smi: no table ({type(e).__name__}: {e})"
-    return answer.stdout.rstrip()
-
 class RunLog(contextlib.AbstractContextManager):
     """Rank 0 writes the log; the other ranks' calls do nothing. Rank 0 also removes, at the start,
     the temp files of earlier writes cut short (remove_stale_temp_files), named in the header. A
@@ -1583,14 +1573,16 @@ class RunLog(contextlib.AbstractContextManager):
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
         """Versions, GPUs, options and shards into the log; the data line on the console too."""
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        lines = [
-            f"Running Python {sys.version}",
-            f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
-            f"devices: {world_size} x {gpu}",
-        ]
-        # once a run: only rank 0 writes the log
+        lines = [f"Running Python {sys.version}",
+                 f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+                 f"devices: {world_size} x {gpu}"]
+        # once a run: only rank 0 writes the log; a broken driver can make nvidia-smi hang
         if self.file and shutil.which("nvidia-smi"):
-            lines.append(nvidia_smi_report())
+            try:
+                table = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
+                lines.append(table.stdout.rstrip())
+            except (OSError, subprocess.SubprocessError) as e:
+                lines.append(f"nvidia-smi: no table ({type(e).__name__}: {e})")
         lines += ["=" * 100, "hyperparameters:"]
         lines += [f"  {name} = {value}" for name, value in asdict(args).items()]
         for name, loader in (("train", train_loader), ("val", val_loader)):
@@ -1644,7 +1636,6 @@ class TrainClock:
         return self.resumed_steps + max(step - self.timed_from, 0)
 
 def step_avg(train_time_ms, timed_steps):
-    """Mean milliseconds per timed step (nan before the first)."""
     return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
 class TrainLossLog:
@@ -1749,17 +1740,14 @@ def is_compile_cache(path):
     header = re.escape(COMPILE_CACHE_HEADER.encode()) + rb".* sha256=[0-9a-f]{64}\n"
     return re.fullmatch(header, first_line) is not None
 
-def load_compile_cache_if_asked(args, compiled, stamp):
-    """Every rank fills the compile caches from --compile_cache before anything compiles; a note."""
-    if not args.compile_cache:
+def load_compile_cache(path, stamp, compiled=True):
+    """Every rank fills the compile caches from --compile_cache (path) before anything compiles;
+    returns what happened ("" for no path)."""
+    if not path:
         return ""
     if not compiled:
         return "ignored: compile is off"
-    make_writable_folder(os.path.dirname(args.compile_cache) or ".", "--compile_cache")
-    return load_compile_cache(args.compile_cache, stamp)
-
-def load_compile_cache(path, stamp):
-    """Fill the compile caches from a file; returns what happened."""
+    make_writable_folder(os.path.dirname(path) or ".", "--compile_cache")
     if not os.path.exists(path):
         return "not found; rank 0 writes it after step 1"
     try:
@@ -1833,14 +1821,6 @@ def stop_if_diverged(val_loss, step):
                         "learning rate too high for this configuration (--muon_lr, --embed_lr, "
                         "--head_lr, --scalar_lr)")
 
-def stop_signals():
-    """SIGTERM, SIGINT, and SIGHUP (a closed ssh session) where it exists, unless nohup ignores."""
-    signums = [signal.SIGTERM, signal.SIGINT]
-    hangup = getattr(signal, "SIGHUP", None)
-    if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
-        signums.append(hangup)
-    return signums
-
 class CleanStop(contextlib.AbstractContextManager):
     """A stop signal (SIGTERM, SIGINT, SIGHUP) in train(), or rank 0's log failing, sets a flag.
     Every STOP_CHECK_EVERY steps the ranks all-reduce it on a CPU group and read the result at the
@@ -1852,7 +1832,11 @@ class CleanStop(contextlib.AbstractContextManager):
         self.group = None
         if world_size > 1:
             self.group = dist.new_group(backend="gloo")
-        signums = stop_signals()
+        # SIGHUP (a closed ssh session) where it exists, unless ignored: under nohup it is harmless
+        signums = [signal.SIGTERM, signal.SIGINT]
+        hangup = getattr(signal, "SIGHUP", None)
+        if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
+            signums.append(hangup)
         self.previous = {signum: signal.signal(signum, self._on_signal) for signum in signums}
 
     def _on_signal(self, signum, frame):
