@@ -1332,10 +1332,8 @@ def remove_stale_temp_files(args):
     log_dir = re.escape(os.path.join(args.log_dir, ""))
     sep = re.escape(os.sep)
     run_folder = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-    own_names = [
-        rf"{log_dir}{run_folder}{sep}state_step\d{{6}}\.pt{owner}",
-        rf"{log_dir}synthetic-seed\d+{sep}synthetic_(?:train|val)_\d{{6}}\.bin{owner}",
-    ]
+    own_names = [rf"{log_dir}{run_folder}{sep}state_step\d{{6}}\.pt{owner}",
+                 rf"{log_dir}synthetic-seed\d+{sep}synthetic_(?:train|val)_\d{{6}}\.bin{owner}"]
     candidates = glob.glob(os.path.join(glob.escape(args.log_dir), "*", "*.tmp"))
     if args.compile_cache:
         own_names.append(re.escape(args.compile_cache) + owner)
