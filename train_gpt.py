@@ -1730,11 +1730,10 @@ def is_compile_cache(path):
     a file is ever replaced by a cache. Not a regular file (a device, a pipe): never one."""
     if not os.path.isfile(path):
         return False
-    try:
-        with open(path, "rb") as f:
-            first_line = f.readline(4096)
-    except OSError:
-        return False
+    # an unreadable file: no first line
+    first_line = b""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        first_line = f.readline(4096)
     header = re.escape(COMPILE_CACHE_HEADER.encode()) + rb".* sha256=[0-9a-f]{64}\n"
     return re.fullmatch(header, first_line) is not None
 
@@ -1961,12 +1960,6 @@ def resume(checkpoint, log, model, adam, muon, train_loader):
         log("warning: resumed by another train_gpt.py than the one that wrote the checkpoint")
     return checkpoint["step"], checkpoint["timing"]
 
-def os_error_in(error):
-    """The OSError behind an error, or None: torch.save turns a failed write into a RuntimeError."""
-    while error is not None and not isinstance(error, OSError):
-        error = error.__cause__ or error.__context__
-    return error
-
 def tensor_bytes(state, storages=None):
     """A nested state's tensor bytes, each storage once: torch.save's size, less a few KiB."""
     if storages is None:
@@ -2016,7 +2009,10 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        error = os_error_in(e)
+        # torch.save turns a failed write into a RuntimeError: the OSError behind it, if any
+        error = e
+        while error is not None and not isinstance(error, OSError):
+            error = error.__cause__ or error.__context__
         if error is None:
             raise
         log.unsaved_step = step
