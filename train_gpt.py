@@ -847,8 +847,8 @@ def train(args, checkpoint=None):
 # Everything above is the speedrun: a change to the model, the optimiser or the schedule needs
 # nothing below. Below, first, the fused-head kernels: the default GPU path, which CUDA runs in
 # place of GPT.head_loss (--fused_head_loss auto) where a start-up check finds they compute it.
-# Then what makes a run safe and repeatable: option checks, device set-up, data budget, run log,
-# train time and step lines, compile options and cache, checkpoints, resume and stopping, main.
+# Then what makes a run safe and repeatable: device set-up, data budget, run log, train time and
+# step lines, compile options and cache, checkpoints, resume and stopping, option checks and main.
 # ==================================================================================================
 
 import argparse
@@ -1066,34 +1066,6 @@ def check_fused_head(model, option, log):
         raise UserError(f"--fused_head_loss true: {reason}: pass --fused_head_loss false")
     model.fused_head_loss = False
     log(f"fused head loss off: {reason}; the plain head computes it")
-
-# --------------------------------------------------------------------------------------------------
-# Option checks
-
-def option_facts():
-    """Each option's facts, from its field (option()): {name: dict(rules=, fixed=, graph=)}."""
-    for f in fields(Hyperparameters):
-        if "rules" not in f.metadata:
-            raise UserError(f"the option {f.name} has no facts: declare its field with "
-                            "option(DEFAULT, RULES..., fixed=..., graph=...)")
-    return {f.name: f.metadata for f in fields(Hyperparameters)}
-
-def check_hyperparameters(args):
-    """Refuse any value that cannot work, naming the option and its valid range: each field's rules
-    in field order, then those that read other options (words that are a function of them)."""
-    checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
-    checks.sort(key=lambda check: callable(check[1][1]))
-    for name, (valid, allowed) in checks:
-        value = getattr(args, name)
-        if valid(value, args):
-            continue
-        if callable(allowed):
-            allowed = allowed(args)
-        raise UserError(f"--{name} must be {allowed}; got {value!r}")
-
-def switched_on(option, device):
-    """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
-    return option == "true" or (option == "auto" and device.type == "cuda")
 
 # --------------------------------------------------------------------------------------------------
 # Device set-up
@@ -2076,7 +2048,32 @@ def run_hellaswag(scorer, args, log, model, stop):
     return stop_signal != 0, stop_signal
 
 # --------------------------------------------------------------------------------------------------
-# Arguments and main
+# Options (each read from its field's facts), arguments and main
+
+def option_facts():
+    """Each option's facts, from its field (option()): {name: dict(rules=, fixed=, graph=)}."""
+    for f in fields(Hyperparameters):
+        if "rules" not in f.metadata:
+            raise UserError(f"the option {f.name} has no facts: declare its field with "
+                            "option(DEFAULT, RULES..., fixed=..., graph=...)")
+    return {f.name: f.metadata for f in fields(Hyperparameters)}
+
+def check_hyperparameters(args):
+    """Refuse any value that cannot work, naming the option and its valid range: each field's rules
+    in field order, then those that read other options (words that are a function of them)."""
+    checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
+    checks.sort(key=lambda check: callable(check[1][1]))
+    for name, (valid, allowed) in checks:
+        value = getattr(args, name)
+        if valid(value, args):
+            continue
+        if callable(allowed):
+            allowed = allowed(args)
+        raise UserError(f"--{name} must be {allowed}; got {value!r}")
+
+def switched_on(option, device):
+    """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
+    return option == "true" or (option == "auto" and device.type == "cuda")
 
 def parse_bool(text):
     if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
