@@ -266,12 +266,12 @@ class Muon(torch.optim.Optimizer):
             share = len(orthogonalised) // self.world_size
             for i, p in enumerate(group["params"]):
                 # matrix i is rank (i % W)'s, the (i // W)-th of its share
-                O = orthogonalised[i % self.world_size * share + i // self.world_size]
+                update = orthogonalised[i % self.world_size * share + i // self.world_size]
                 if p.size(0) > p.size(1):
-                    O = O.mT
+                    update = update.mT
                 # the same RMS step size for tall and wide matrices
                 scale = max(1, p.size(0) / p.size(1)) ** 0.5
-                p.add_(O, alpha=-group["lr"] * scale)
+                p.add_(update, alpha=-group["lr"] * scale)
 
     def _stack_updates(self, mine, group, stacked):
         """Momentum and Nesterov's look-ahead for this rank's matrices, into the stacked batch."""
@@ -591,7 +591,6 @@ def load_data_shard(path, vocab_size=None):
             raise UserError(f"{path}: file changed while reading")
     ids = tokens.numpy()
     if vocab_size is not None and num_tokens > 0 and ids.max() >= vocab_size:
-        # the first bad id
         at = int(np.argmax(ids >= vocab_size))
         raise UserError(f"{path}: token id {ids[at]} at position {at:,} is not below --vocab_size "
                         f"{vocab_size}: shards made with another tokenizer (pass its "
@@ -687,16 +686,16 @@ def build_optimizers(model, args, compiled=False):
     return adam, muon
 
 @torch.no_grad()
-def evaluate(model, loader, args, val_batch, window_blocks, world_size):
+def evaluate(model, loader, args, val_batch, window_blocks):
     """The mean loss over the first val_tokens validation tokens, the same on every rank."""
     model.eval()
     loader.reset()
     steps = args.val_tokens // val_batch
     total = sum(model(*loader.next_batch(val_batch), window_blocks) for _ in range(steps)) / steps
-    if world_size > 1:
+    if loader.world_size > 1:
         # gloo has no AVG
         dist.all_reduce(total)
-        total /= world_size
+        total /= loader.world_size
     model.train()
     return total.item()
 
@@ -704,8 +703,7 @@ def evaluate(model, loader, args, val_batch, window_blocks, world_size):
 # Training
 
 def micro_batch_plan(args, world_size):
-    """The micro-batch size, micro-batches per step and the val batch, with the checks that need the
-    process count."""
+    """Micro-batch size, micro-batches a step and val batch, checked against the process count."""
     share = args.batch_size // world_size
     val_batch = world_size * args.max_device_batch_size
     micro_batch = min(args.max_device_batch_size, share)
@@ -757,7 +755,7 @@ def train(args, checkpoint=None):
     train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
     compiled = switched_on(args.compile, device)
     stamp = compile_cache_stamp(args, world_size, device)
-    cache_note = load_compile_cache_if_asked(args, compiled, stamp)
+    cache_note = load_compile_cache(args.compile_cache, stamp, compiled)
     if world_size > 1:
         start_process_group(device)
     master = (rank == 0)
@@ -792,11 +790,9 @@ def train(args, checkpoint=None):
                 clock.pause()
                 train_losses.write(wait=True)
                 if checkpoint_now:
-                    saved = save_checkpoint(args, log, step, model, adam, muon, train_loader,
-                                            clock.ms, clock.timed_steps(step))
+                    saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, clock)
                 if validate_now:
-                    val_loss = evaluate(train_model, val_loader, args, val_batch, window_blocks,
-                                        world_size)
+                    val_loss = evaluate(train_model, val_loader, args, val_batch, window_blocks)
                     average = step_avg(clock.ms, clock.timed_steps(step))
                     log(f"step:{step}/{train_steps} val_loss:{val_loss:.4f} "
                         f"train_time:{clock.ms:.0f}ms step_avg:{average:.2f}ms")
@@ -830,9 +826,7 @@ def train(args, checkpoint=None):
             model.zero_grad(set_to_none=True)
 
             # --------------- LOGGING ---------------
-            approx_ms = clock.elapsed_ms()
-            average = step_avg(approx_ms, clock.timed_steps(step + 1))
-            train_losses.step_done(step, approx_ms, average)
+            train_losses.step_done(step, clock)
             # all has compiled now: evaluation at step 0, the model and the optimisers in step 1
             if step == start:
                 synchronize(device)
@@ -852,11 +846,9 @@ def train(args, checkpoint=None):
 # ==================================================================================================
 # Everything above is the speedrun: a change to the model, the optimiser or the schedule needs
 # nothing below. Below, first, the fused-head kernels: the default GPU path, which CUDA runs in
-# place of GPT.head_loss (--fused_head_loss auto). They mirror GPT.logits (softcap GPT.softcap)
-# and its cross-entropy; at start-up a check compares them with GPT's head, which runs instead
-# where they differ. Then the operations that make a run safe and repeatable (option checks, which
-# read each option's facts from its field, device set-up, data budget, run log, train time and the
-# step lines, compile options and cache, checkpoints, resume and stopping, argument parsing, main).
+# place of GPT.head_loss (--fused_head_loss auto) where a start-up check finds they compute it.
+# Then what makes a run safe and repeatable: device set-up, data budget, run log, train time and
+# step lines, compile options and cache, checkpoints, resume and stopping, option checks and main.
 # ==================================================================================================
 
 import argparse
@@ -893,8 +885,7 @@ except ImportError:
 # --------------------------------------------------------------------------------------------------
 # Fused head (--fused_head_loss): z = x W^T by cuBLAS, then a Triton kernel reads each row of z once
 # for c = s tanh(z / s) and the loss logsumexp(c) - c[target]; in training it overwrites z with
-# d(mean loss)/dz. s is GPT.softcap (15 as in record 18), a constant of the compiled kernel; at
-# start-up, check_fused_head turns the kernel off where GPT.logits or head_loss compute another.
+# d(mean loss)/dz. s is GPT.softcap (15 as in record 18), a constant of the compiled kernel.
 
 if triton is not None:
     @triton.jit
@@ -972,8 +963,7 @@ def softcapped_cross_entropy_(logits, targets, grad_scale=None, softcap=GPT.soft
     return losses
 
 class FusedHeadLoss(torch.autograd.Function):
-    """The forward pass leaves d(mean loss)/dz in the logits' buffer z; the backward pass scales the
-    small products, never z itself."""
+    """Forward leaves d(mean loss)/dz in the logits' buffer z; backward scales small products."""
     @staticmethod
     def forward(ctx, x, weight, targets, softcap):
         # the logits, until the kernel overwrites them with their gradient
@@ -994,8 +984,7 @@ class FusedHeadLoss(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 class ChunkedHeadLoss(torch.autograd.Function):
-    """FusedHeadLoss by chunks of rows: never all the logits at once. The forward pass computes the
-    gradients too; the backward pass scales them."""
+    """FusedHeadLoss by chunks of rows, never all logits at once: forward computes the gradients."""
     @staticmethod
     def forward(ctx, x, weight, targets, chunk_rows, softcap):
         w = weight.type_as(x)
@@ -1068,8 +1057,7 @@ def head_matches_kernel(model):
     return same_loss and torch.allclose(logits, expected, rtol=1e-3, atol=1e-3)
 
 def check_fused_head(model, option, log):
-    """--fused_head_loss on a model whose head the kernel does not compute (a fork's): true is
-    refused; auto falls back to the plain head, saying so."""
+    """A fork's head the kernel cannot compute: --fused_head_loss true refused, auto falls back."""
     if not model.fused_head_loss or head_matches_kernel(model):
         return
     reason = ("GPT.logits or GPT.head_loss is not the kernel's softcap tanh(z / softcap) and "
@@ -1078,34 +1066,6 @@ def check_fused_head(model, option, log):
         raise UserError(f"--fused_head_loss true: {reason}: pass --fused_head_loss false")
     model.fused_head_loss = False
     log(f"fused head loss off: {reason}; the plain head computes it")
-
-# --------------------------------------------------------------------------------------------------
-# Option checks
-
-def option_facts():
-    """Each option's facts, from its field (option()): {name: dict(rules=, fixed=, graph=)}."""
-    for f in fields(Hyperparameters):
-        if "rules" not in f.metadata:
-            raise UserError(f"the option {f.name} has no facts: declare its field with "
-                            "option(DEFAULT, RULES..., fixed=..., graph=...)")
-    return {f.name: f.metadata for f in fields(Hyperparameters)}
-
-def check_hyperparameters(args):
-    """Refuse any value that cannot work, naming the option and its valid range: each field's rules
-    in field order, then those that read other options (words that are a function of them)."""
-    checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
-    checks.sort(key=lambda check: callable(check[1][1]))
-    for name, (valid, allowed) in checks:
-        value = getattr(args, name)
-        if valid(value, args):
-            continue
-        if callable(allowed):
-            allowed = allowed(args)
-        raise UserError(f"--{name} must be {allowed}; got {value!r}")
-
-def switched_on(option, device):
-    """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
-    return option == "true" or (option == "auto" and device.type == "cuda")
 
 # --------------------------------------------------------------------------------------------------
 # Device set-up
@@ -1131,12 +1091,8 @@ def nvidia_smi_gpus():
     query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         answer = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
-        gpus = []
-        for line in answer.stdout.splitlines():
-            if line.strip():
-                name, _, driver = line.rpartition(", ")
-                gpus.append((name, driver))
-        return gpus
+        rows = [line.rpartition(", ") for line in answer.stdout.splitlines() if line.strip()]
+        return [(name, driver) for name, _, driver in rows]
     return []
 
 def setup_device():
@@ -1144,9 +1100,7 @@ def setup_device():
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if not torch.cuda.is_available():
-        gpus = []
-        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
-            gpus = nvidia_smi_gpus()
+        gpus = nvidia_smi_gpus() if os.environ.get("CUDA_VISIBLE_DEVICES") != "" else []
         if gpus:
             raise UserError(
                 f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only) cannot use "
@@ -1170,7 +1124,6 @@ def setup_device():
     return rank, world_size, device
 
 def start_process_group(device):
-    """NCCL bound to this process's GPU; gloo on a CPU."""
     if device.type == "cuda":
         dist.init_process_group(backend="nccl", device_id=device)
     else:
@@ -1237,8 +1190,7 @@ def shard_facts(path, expected=None):
     return facts
 
 def reopen_shard(loader, shard):
-    """A shard's tokens; gone, unreadable or changed since start-up, it ends the run on every rank
-    after the same step (they agree here)."""
+    """A shard's tokens; gone, unreadable or changed, it ends the run on all ranks (they agree)."""
     failure = ""
     try:
         shard_facts(loader.files[shard], loader.facts[shard])
@@ -1263,8 +1215,7 @@ def checkpoint_on_data_fault(args, log, step, model, adam, muon, train_loader, c
     except UserError as fault:
         if args.save_checkpoint or args.checkpoint_every > 0:
             clock.pause()
-            saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, clock.ms,
-                                    clock.timed_steps(step))
+            saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, clock)
             world_size = dist.get_world_size() if dist.is_initialized() else 1
             if saved:
                 raise UserError(f"{fault}, then: {resume_command(saved, world_size)}") from None
@@ -1353,10 +1304,8 @@ def remove_stale_temp_files(args):
     log_dir = re.escape(os.path.join(args.log_dir, ""))
     sep = re.escape(os.sep)
     run_folder = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-    own_names = [
-        rf"{log_dir}{run_folder}{sep}state_step\d{{6}}\.pt{owner}",
-        rf"{log_dir}synthetic-seed\d+{sep}synthetic_(?:train|val)_\d{{6}}\.bin{owner}",
-    ]
+    own_names = [rf"{log_dir}{run_folder}{sep}state_step\d{{6}}\.pt{owner}",
+                 rf"{log_dir}synthetic-seed\d+{sep}synthetic_(?:train|val)_\d{{6}}\.bin{owner}"]
     candidates = glob.glob(os.path.join(glob.escape(args.log_dir), "*", "*.tmp"))
     if args.compile_cache:
         own_names.append(re.escape(args.compile_cache) + owner)
@@ -1467,8 +1416,7 @@ def peer_key(name):
     return f"train_gpt/{os.environ['TORCHELASTIC_RUN_ID']}/{attempt}/{name}"
 
 def post_to_rank_zero(line):
-    """A failing rank's last line, for rank 0's log (PeerErrors): the cause of a run one rank ended,
-    whichever node it was on."""
+    """A failing rank's last line, for rank 0's log (PeerErrors): why the run ended, any node."""
     with contextlib.suppress(Exception):
         store = peer_store()
         number = store.add(peer_key("errors"), 1)
@@ -1519,14 +1467,6 @@ class PeerErrors:
             with contextlib.suppress(Exception):
                 self._catch_up()
 
-def nvidia_smi_report():
-    """nvidia-smi's table for the log, or why there is none: a broken driver can make it hang."""
-    try:
-        answer = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"nvidia-smi: no table ({type(e).__name__}: {e})"
-    return answer.stdout.rstrip()
-
 class RunLog(contextlib.AbstractContextManager):
     """Rank 0 writes the log; the other ranks' calls do nothing. Rank 0 also removes, at the start,
     the temp files of earlier writes cut short (remove_stale_temp_files), named in the header. A
@@ -1566,8 +1506,7 @@ class RunLog(contextlib.AbstractContextManager):
                     self.peers = PeerErrors(self)
 
     def __call__(self, line, console=True):
-        """Write a line to the log (under a lock: PeerErrors' thread writes too) and, unless console
-        is False, to stdout (or the stream given)."""
+        """Log a line (locked: PeerErrors' thread writes too); print it unless console is False."""
         if not self.master:
             return
         if console is True:
@@ -1603,17 +1542,17 @@ class RunLog(contextlib.AbstractContextManager):
 
     def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
         """Versions, GPUs, options and shards into the log; the data line on the console too."""
-        gpu = "cpu"
-        if device.type == "cuda":
-            gpu = torch.cuda.get_device_name(device)
-        lines = [
-            f"Running Python {sys.version}",
-            f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
-            f"devices: {world_size} x {gpu}",
-        ]
-        # once a run: only rank 0 writes the log
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        lines = [f"Running Python {sys.version}",
+                 f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+                 f"devices: {world_size} x {gpu}"]
+        # once a run: only rank 0 writes the log; a broken driver can make nvidia-smi hang
         if self.file and shutil.which("nvidia-smi"):
-            lines.append(nvidia_smi_report())
+            try:
+                table = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
+                lines.append(table.stdout.rstrip())
+            except (OSError, subprocess.SubprocessError) as e:
+                lines.append(f"nvidia-smi: no table ({type(e).__name__}: {e})")
         lines += ["=" * 100, "hyperparameters:"]
         lines += [f"  {name} = {value}" for name, value in asdict(args).items()]
         for name, loader in (("train", train_loader), ("val", val_loader)):
@@ -1667,7 +1606,6 @@ class TrainClock:
         return self.resumed_steps + max(step - self.timed_from, 0)
 
 def step_avg(train_time_ms, timed_steps):
-    """Mean milliseconds per timed step (nan before the first)."""
     return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
 class TrainLossLog:
@@ -1687,7 +1625,10 @@ class TrainLossLog:
     def add(self, step, loss):
         self.sums[step].add_(loss.detach())
 
-    def step_done(self, step, train_time_ms, average):
+    def step_done(self, step, clock):
+        """Queue the step's line, with the train time so far (approximate: no device wait)."""
+        train_time_ms = clock.elapsed_ms()
+        average = step_avg(train_time_ms, clock.timed_steps(step + 1))
         self.host_sums[step].copy_(self.sums[step], non_blocking=True)
         # on the CPU the copy is done already
         event = None
@@ -1761,25 +1702,21 @@ def is_compile_cache(path):
     a file is ever replaced by a cache. Not a regular file (a device, a pipe): never one."""
     if not os.path.isfile(path):
         return False
-    try:
-        with open(path, "rb") as f:
-            first_line = f.readline(4096)
-    except OSError:
-        return False
+    # an unreadable file: no first line
+    first_line = b""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        first_line = f.readline(4096)
     header = re.escape(COMPILE_CACHE_HEADER.encode()) + rb".* sha256=[0-9a-f]{64}\n"
     return re.fullmatch(header, first_line) is not None
 
-def load_compile_cache_if_asked(args, compiled, stamp):
-    """Every rank fills the compile caches from --compile_cache before anything compiles; a note."""
-    if not args.compile_cache:
+def load_compile_cache(path, stamp, compiled=True):
+    """Every rank fills the compile caches from --compile_cache (path) before anything compiles;
+    returns what happened ("" for no path)."""
+    if not path:
         return ""
     if not compiled:
         return "ignored: compile is off"
-    make_writable_folder(os.path.dirname(args.compile_cache) or ".", "--compile_cache")
-    return load_compile_cache(args.compile_cache, stamp)
-
-def load_compile_cache(path, stamp):
-    """Fill the compile caches from a file; returns what happened."""
+    make_writable_folder(os.path.dirname(path) or ".", "--compile_cache")
     if not os.path.exists(path):
         return "not found; rank 0 writes it after step 1"
     try:
@@ -1853,15 +1790,6 @@ def stop_if_diverged(val_loss, step):
                         "learning rate too high for this configuration (--muon_lr, --embed_lr, "
                         "--head_lr, --scalar_lr)")
 
-def stop_signals():
-    """SIGTERM and SIGINT, and SIGHUP where it exists (what a closed ssh session sends) unless it is
-    ignored: under nohup a hang-up stays harmless."""
-    signums = [signal.SIGTERM, signal.SIGINT]
-    hangup = getattr(signal, "SIGHUP", None)
-    if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
-        signums.append(hangup)
-    return signums
-
 class CleanStop(contextlib.AbstractContextManager):
     """A stop signal (SIGTERM, SIGINT, SIGHUP) in train(), or rank 0's log failing, sets a flag.
     Every STOP_CHECK_EVERY steps the ranks all-reduce it on a CPU group and read the result at the
@@ -1873,7 +1801,11 @@ class CleanStop(contextlib.AbstractContextManager):
         self.group = None
         if world_size > 1:
             self.group = dist.new_group(backend="gloo")
-        signums = stop_signals()
+        # SIGHUP (a closed ssh session) where it exists, unless ignored: under nohup it is harmless
+        signums = [signal.SIGTERM, signal.SIGINT]
+        hangup = getattr(signal, "SIGHUP", None)
+        if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
+            signums.append(hangup)
         self.previous = {signum: signal.signal(signum, self._on_signal) for signum in signums}
 
     def _on_signal(self, signum, frame):
@@ -1907,8 +1839,7 @@ class CleanStop(contextlib.AbstractContextManager):
         return 0
 
 def resume_command(path, world_size):
-    """The command that goes on from checkpoint `path`, launched as this run was, to paste in the
-    folder this run was started from."""
+    """The command that goes on from checkpoint `path`, launched as this run was, in its folder."""
     script_and_options = f"{shlex.quote(os.path.relpath(__file__))} --resume {shlex.quote(path)}"
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return f"python {script_and_options}"
@@ -1944,8 +1875,7 @@ def log_stop(log, stop_signal, step, saved, world_size):
     tell_launcher(line, exit_code(log, True, stop_signal))
 
 def train_shards(args, loader=None):
-    """Names and token counts of the train shards ("synthetic": none, its stream is fixed by the
-    options); a loader's, as they were at start-up."""
+    """The train shards' name:tokens (none if "synthetic"); a loader's as they were at start-up."""
     if loader is not None and args.train_files != "synthetic":
         return [f"{os.path.basename(path)}:{n}" for path, n in zip(loader.files, loader.sizes)]
     paths = sorted(glob.glob(args.train_files))
@@ -1984,8 +1914,7 @@ def load_checkpoint(argv, path):
     return args, dict(checkpoint, note=note)
 
 def resume(checkpoint, log, model, adam, muon, train_loader):
-    """Load this rank's part of a checkpoint, popping each part to free the rest; returns the step
-    to start from and the timing so far (a new run: step 0, no time)."""
+    """Load this rank's part of a checkpoint (each part popped: freed); the start step, timing."""
     if checkpoint is None:
         return 0, (0.0, 0)
     model.load_state_dict(checkpoint.pop("model"))
@@ -2003,12 +1932,6 @@ def resume(checkpoint, log, model, adam, muon, train_loader):
         log("warning: resumed by another train_gpt.py than the one that wrote the checkpoint")
     return checkpoint["step"], checkpoint["timing"]
 
-def os_error_in(error):
-    """The OSError behind an error, or None: torch.save turns a failed write into a RuntimeError."""
-    while error is not None and not isinstance(error, OSError):
-        error = error.__cause__ or error.__context__
-    return error
-
 def tensor_bytes(state, storages=None):
     """A nested state's tensor bytes, each storage once: torch.save's size, less a few KiB."""
     if storages is None:
@@ -2023,7 +1946,7 @@ def tensor_bytes(state, storages=None):
             tensor_bytes(value, storages)
     return sum(storages.values())
 
-def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time_ms, timed_steps):
+def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
     """Rank 0 writes a temp file and renames it into place (never half a checkpoint); a run keeps
     the last two it wrote, and deletes no other file. Every rank takes part: each holds the Muon
     momenta of its own matrices. A write that fails (a full disk) is one warning: the partial file
@@ -2041,7 +1964,8 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
     if not log.master:
         return path
     # before the first timed step, no time has been counted
-    timing = (train_time_ms if timed_steps else 0.0, timed_steps)
+    timed_steps = clock.timed_steps(step)
+    timing = (clock.ms if timed_steps else 0.0, timed_steps)
     state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
                  loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
                  source=SOURCE, source_sha256=SOURCE_SHA256,
@@ -2057,7 +1981,10 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, train_time
     except (OSError, RuntimeError) as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        error = os_error_in(e)
+        # torch.save turns a failed write into a RuntimeError: the OSError behind it, if any
+        error = e
+        while error is not None and not isinstance(error, OSError):
+            error = error.__cause__ or error.__context__
         if error is None:
             raise
         log.unsaved_step = step
@@ -2121,7 +2048,32 @@ def run_hellaswag(scorer, args, log, model, stop):
     return stop_signal != 0, stop_signal
 
 # --------------------------------------------------------------------------------------------------
-# Arguments and main
+# Options (each read from its field's facts), arguments and main
+
+def option_facts():
+    """Each option's facts, from its field (option()): {name: dict(rules=, fixed=, graph=)}."""
+    for f in fields(Hyperparameters):
+        if "rules" not in f.metadata:
+            raise UserError(f"the option {f.name} has no facts: declare its field with "
+                            "option(DEFAULT, RULES..., fixed=..., graph=...)")
+    return {f.name: f.metadata for f in fields(Hyperparameters)}
+
+def check_hyperparameters(args):
+    """Refuse any value that cannot work, naming the option and its valid range: each field's rules
+    in field order, then those that read other options (words that are a function of them)."""
+    checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
+    checks.sort(key=lambda check: callable(check[1][1]))
+    for name, (valid, allowed) in checks:
+        value = getattr(args, name)
+        if valid(value, args):
+            continue
+        if callable(allowed):
+            allowed = allowed(args)
+        raise UserError(f"--{name} must be {allowed}; got {value!r}")
+
+def switched_on(option, device):
+    """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
+    return option == "true" or (option == "auto" and device.type == "cuda")
 
 def parse_bool(text):
     if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -2129,8 +2081,7 @@ def parse_bool(text):
     return text.lower() in ("1", "true", "yes", "on")
 
 def parse_args(argv=None, resumed=None):
-    """Options from the command line; the defaults are Hyperparameters', replaced by a --preset's
-    values and then by a resumed checkpoint's."""
+    """Command-line options over defaults: Hyperparameters', then a --preset's, a checkpoint's."""
     preset_parser = argparse.ArgumentParser(add_help=False)
     preset_parser.add_argument("--preset", choices=sorted(PRESETS))
     description = "NanoGPT speedrun trainer. Every option has a default."
