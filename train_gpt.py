@@ -612,6 +612,7 @@ class DistributedDataLoader:
         self.world_size = world_size
         self.device = device
         self.vocab_size = vocab_size
+        self.group = None  # set by train(): see reopen_shard
         self.shard = None  # none loaded yet
         self.reset()
 
@@ -762,6 +763,8 @@ def train(args, checkpoint=None):
     with (RunLog(args, master, hellaswag_examples) as log, out_of_memory_as_error(micro_batch),
           CleanStop(world_size, log) as stop):
         log.header(args, world_size, device, train_loader, val_loader, passes, cache_note)
+        train_loader.group = stop.group
+        val_loader.group = stop.group
         model, train_model, adam, muon = build_model(args, device, world_size, compiled, log)
         start, timing = resume(checkpoint, log, model, adam, muon, train_loader)
         clock = TrainClock(device, start, *timing)
@@ -1197,9 +1200,10 @@ def reopen_shard(loader, shard):
         tokens = load_data_shard(loader.files[shard], loader.vocab_size)
     except UserError as e:
         failure = str(e)
-    if loader.world_size > 1 and dist.is_initialized():
-        failed = torch.tensor(len(failure), device=loader.device)
-        dist.all_reduce(failed, dist.ReduceOp.MAX)
+    # on the CPU group, as the stop flag: no wait for the device
+    if loader.group is not None:
+        failed = torch.tensor(len(failure))
+        dist.all_reduce(failed, dist.ReduceOp.MAX, group=loader.group)
         if failed.item() and not failure:
             failure = f"{loader.files[shard]}: another process of the run could not read it again"
     if failure:
