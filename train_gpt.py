@@ -835,7 +835,7 @@ def train(args, checkpoint=None):
         train_losses.write(wait=True)
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
         if hellaswag_examples and not stopping:
-            stopping, stop_signal = run_hellaswag(hellaswag_examples, args, log, model, stop)
+            stopping, stop_signal = hellaswag_examples.score(model, args, log, stop)
         if stopping or log.failure:
             log_stop(log, stop_signal, step, saved, world_size)
     if world_size > 1:
@@ -2012,40 +2012,21 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
     return path
 
 # --------------------------------------------------------------------------------------------------
-# HellaSwag after the last step (--hellaswag): evals/hellaswag.py, imported only when asked, is
-# handed this file's model and end-of-text id (it imports nothing of this file)
+# HellaSwag after the last step (--hellaswag): evals/hellaswag.py, imported only when asked,
+# reads this file's model, end-of-text id and functions through the module that defined them
 
 def load_hellaswag(args):
-    """With --hellaswag, its scorer with the examples read and tokenised now: evals/ missing (it
-    must be beside this script), a bad file or tokenizer fails before anything is written."""
+    """With --hellaswag, its scorer (ForTrainer) with the examples read and tokenised now: evals/
+    missing (it must be beside this script), a bad file or tokenizer fails before anything is
+    written; its score() logs the trained model's scores after the last step."""
     if not args.hellaswag:
         return None
     try:
         from evals import hellaswag
-        return hellaswag.ForTrainer(args.hellaswag_data or None, args.tokenizer or None, EOT)
+        return hellaswag.ForTrainer(args)
     except ImportError as e:
         raise UserError(f"--hellaswag needs the repository's evals/ and data/ folders beside this "
                         f"script, in {Path(__file__).resolve().parent} ({e})") from None
-    except hellaswag.EvalError as e:
-        raise UserError(f"--hellaswag: {e}") from None
-
-def run_hellaswag(scorer, args, log, model, stop):
-    """The trained model's HellaSwag scores into the log, outside train time, each rank scoring its
-    share in sequences of --max_device_batch_size tokens, as validation, with the window the
-    training ended with, and its peak memory (a CPU's: the process's); (stopping, the signal): a
-    stop signal ends it with no score, as it ends training."""
-    window_blocks = window_blocks_at(args.num_iterations, args)
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    lines, stop_signal = scorer.score(model, window_blocks, args.max_device_batch_size,
-                                      should_stop=lambda: stop.received)
-    if lines:
-        details, result = lines
-        log(details)
-        log(f"hellaswag: peak memory {peak_memory_mib(device)} MiB")
-        log(result)
-    return stop_signal != 0, stop_signal
 
 # --------------------------------------------------------------------------------------------------
 # Options (each read from its field's facts), arguments and main
