@@ -1382,7 +1382,7 @@ def build_loaders(args, rank, world_size, device, val_batch):
     return train_loader, val_loader, passes
 
 # --------------------------------------------------------------------------------------------------
-# Run log: rank 0's logs/<run id>.txt, which begins with this file's source and the set-up
+# Run log: rank 0's logs/<run id>.txt (this file's source, the set-up), train time, step lines
 
 def to_console(line, stream=None):
     """Print a line on stdout (or the stream given). A console gone away (a closed pipe, a hung-up
@@ -1570,9 +1570,6 @@ class RunLog(contextlib.AbstractContextManager):
             self(f"removed {len(self.removed)} temp files of interrupted writes: "
                  f"{', '.join(self.removed)}")
         self("=" * 100, console=False)
-
-# --------------------------------------------------------------------------------------------------
-# Train time and the step lines
 
 class TrainClock:
     """Train time, as the record measures it: paused (waiting for the device) around validation and
@@ -1773,7 +1770,7 @@ def startup_report(args, compiled, stamp, master, step):
     return line
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints, resume and stopping
+# Checkpoints, resume and stopping; HellaSwag after the last step (--hellaswag)
 
 # steps between exchanges of the stop flag among processes
 STOP_CHECK_EVERY = 5
@@ -2011,14 +2008,10 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
     log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
     return path
 
-# --------------------------------------------------------------------------------------------------
-# HellaSwag after the last step (--hellaswag): evals/hellaswag.py, imported only when asked,
-# reads this file's model, end-of-text id and functions through the module that defined them
-
 def load_hellaswag(args):
-    """With --hellaswag, its scorer (ForTrainer) with the examples read and tokenised now: evals/
-    missing (it must be beside this script), a bad file or tokenizer fails before anything is
-    written; its score() logs the trained model's scores after the last step."""
+    """With --hellaswag, evals/hellaswag.py's scorer (it reads this file's model, EOT and functions
+    through their module) with the examples read and tokenised now: evals/ missing (it must be
+    beside this script), a bad file or tokenizer fails before anything is written."""
     if not args.hellaswag:
         return None
     try:
