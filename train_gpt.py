@@ -1208,8 +1208,7 @@ def reopen_shard(loader, shard):
 
 @contextlib.contextmanager
 def checkpoint_on_data_fault(args, log, step, model, adam, muon, train_loader, clock):
-    """Where a checkpoint is due, a shard failing mid-run (reopen_shard) ends the run after this
-    step's: the loader has not moved, so a resume reads the same batch."""
+    """A shard failing mid-run ends the run after a due checkpoint; a resume rereads its batch."""
     try:
         yield
     except UserError as fault:
@@ -1254,8 +1253,7 @@ def write_data_shard(path, tokens):
     Path(path).write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
 
 def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
-    """EOT-led documents of 40 to 399 tokens of a random Markov chain: learnable far below
-    ln(vocab). Written into one array, 2 bytes a token as in a shard."""
+    """EOT-led documents of 40 to 399 tokens of a Markov chain (learnable far below ln(vocab))."""
     table = np.random.default_rng(chain_seed).integers(0, vocab, size=(vocab, successors)).tolist()
     rng = np.random.default_rng(seed)
     tokens = np.empty(num_tokens, dtype=np.uint16)
@@ -1385,9 +1383,8 @@ def build_loaders(args, rank, world_size, device, val_batch):
 # Run log: rank 0's logs/<run id>.txt (this file's source, the set-up), train time, step lines
 
 def to_console(line, stream=None):
-    """Print a line on stdout (or the stream given). A console gone away (a closed pipe, a hung-up
-    terminal) never ends the run: the log goes on, and the stream writes to os.devnull from then on,
-    so that no later print fails, ours or any other code's (Python's flush at exit)."""
+    """Print a line on stdout (or the stream given). A console gone away (a closed pipe) never ends
+    the run: the stream writes to os.devnull from then on, and no later print fails (any code's)."""
     stream = stream or sys.stdout
     try:
         print(line, file=stream, flush=True)
@@ -1468,11 +1465,10 @@ class PeerErrors:
                 self._catch_up()
 
 class RunLog(contextlib.AbstractContextManager):
-    """Rank 0 writes the log; the other ranks' calls do nothing. Rank 0 also removes, at the start,
-    the temp files of earlier writes cut short (remove_stale_temp_files), named in the header. A
-    line that cannot be written (a full disk) closes the file and sets `failure`: the ranks then
-    stop as on a signal (CleanStop), and the line saying so goes to stderr. With several processes,
-    rank 0's log also gets the last line of any other rank that fails (PeerErrors)."""
+    """Rank 0 writes the log (the other ranks' calls do nothing), its header naming the temp files
+    of earlier writes cut short that it removed. A line that cannot be written (a full disk) closes
+    the file and sets `failure`: the ranks then stop as on a signal (CleanStop), and the line saying
+    so goes to stderr. Rank 0's log also gets the last line of any rank that fails (PeerErrors)."""
     def __init__(self, args, master, hellaswag=None):
         self.file = None
         self.peers = None
@@ -1707,8 +1703,7 @@ def is_compile_cache(path):
     return re.fullmatch(header, first_line) is not None
 
 def load_compile_cache(path, stamp, compiled=True):
-    """Every rank fills the compile caches from --compile_cache (path) before anything compiles;
-    returns what happened ("" for no path)."""
+    """Every rank fills its compile caches from path before anything compiles: what happened."""
     if not path:
         return ""
     if not compiled:
@@ -1944,10 +1939,9 @@ def tensor_bytes(state, storages=None):
     return sum(storages.values())
 
 def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
-    """Rank 0 writes a temp file and renames it into place (never half a checkpoint); a run keeps
-    the last two it wrote, and deletes no other file. Every rank takes part: each holds the Muon
-    momenta of its own matrices. A write that fails (a full disk) is one warning: the partial file
-    is removed, the last checkpoint stays, training goes on, and rank 0 returns None."""
+    """Rank 0 writes a temp file and renames it into place (never half a checkpoint); every rank
+    takes part, each holding the Muon momenta of its own matrices. A write that fails (a full disk)
+    is a warning: the partial file goes, the last one stays, training goes on; rank 0 gets None."""
     started = time.perf_counter()
     names = {p: name for name, p in model.named_parameters()}
     momenta = {}
@@ -2009,9 +2003,8 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
     return path
 
 def load_hellaswag(args):
-    """With --hellaswag, evals/hellaswag.py's scorer (it reads this file's model, EOT and functions
-    through their module) with the examples read and tokenised now: evals/ missing (it must be
-    beside this script), a bad file or tokenizer fails before anything is written."""
+    """With --hellaswag, evals/hellaswag.py's scorer, the examples read and tokenised now: evals/
+    missing (it must be beside this script), a bad file or tokenizer fails before any write."""
     if not args.hellaswag:
         return None
     try:
