@@ -1068,11 +1068,10 @@ def check_fused_head(model, option, log):
     log(f"fused head loss off: {reason}; the plain head computes it")
 
 # --------------------------------------------------------------------------------------------------
-# Device set-up
+# Device set-up; data budget: the shards a run reads, whether they suffice, the smoke data
 
-# What torchrun sets for each process it starts. Left over in a shell, they would make one process
-# a rank of a run that does not exist: RANK=1 trains with no log and wrong Muon updates, and
-# WORLD_SIZE=2 waits up to 30 minutes for a second process.
+# What torchrun sets for each process. Left over in a shell, they make a process a rank of no run:
+# RANK=1 trains with no log and wrong Muon updates; WORLD_SIZE=2 waits 30 minutes for a second.
 LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                     "MASTER_PORT"]
 
@@ -1147,9 +1146,6 @@ def out_of_memory_as_error(micro_batch):
         raise UserError(f"out of GPU memory with micro-batches of {micro_batch:,} tokens: pass "
                         f"--max_device_batch_size {micro_batch // 2} (half usually fits; the "
                         "global batch and the maths stay the same)", every_rank=True) from None
-
-# --------------------------------------------------------------------------------------------------
-# Data budget: the shards a run reads, whether they hold enough tokens, the generated smoke data
 
 def fetch_hint(num_iterations, batch_size):
     """The command that fetches the FineWeb shards a run reads."""
@@ -1295,9 +1291,8 @@ def process_is_gone(pid):
     return False
 
 def remove_stale_temp_files(args):
-    """Remove the temp files (temp_path's names) of this trainer's writes cut short on this machine,
-    once their process is gone: checkpoints in the run folders of --log_dir, synthetic shards, the
-    --compile_cache file. Nothing else is touched. Returns the paths removed."""
+    """Remove and return the temp files (temp_path's) of this trainer's writes cut short here whose
+    process is gone: run folders' checkpoints, synthetic shards, --compile_cache; nothing else."""
     owner = rf"\.{re.escape(socket.gethostname())}\.(\d+)\.tmp"
     log_dir = re.escape(os.path.join(args.log_dir, ""))
     sep = re.escape(os.sep)
@@ -1420,8 +1415,7 @@ def post_to_rank_zero(line):
         store.set(peer_key(f"error{number}"), line)
 
 def peer_lost(error):
-    """One line for a collective failed as another process died (killed, its node lost), naming
-    the first rank that posted an error (post_to_rank_zero); None for other errors."""
+    """A collective failed as another process died: one line naming the first to post; else None."""
     backend_failure = r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|NCCL|gloo"
     if not (isinstance(error, RuntimeError) and re.search(backend_failure, str(error))
             and dist.is_initialized() and dist.get_world_size() > 1):
@@ -1480,7 +1474,6 @@ class RunLog(contextlib.AbstractContextManager):
         self.checkpoints = []
         # the step of the last checkpoint that could not be written
         self.unsaved_step = None
-        # why the log stopped being written, once a write failed
         self.failure = None
         if master:
             make_writable_folder(args.log_dir, "--log_dir")
@@ -1659,10 +1652,9 @@ def exit_code(log, stopping, stop_signal):
 REGIONAL_RECOMPILE_LIMIT = 32
 
 def compile_regions(model):
-    """Each block and the head compiled alone: 4 block forms are traced, not 12 blocks. Training
-    and evaluation trace 4 each, all the graphs of one function dynamo keeps by default (8): past
-    them it runs the block uncompiled, whose flex attention then builds the whole score matrix (out
-    of memory at 65,536 tokens). So the limit gets headroom, and a form beyond it is an error."""
+    """Each block and the head compiled alone: 4 block forms traced, not 12 blocks, by training and
+    by evaluation each: all 8 graphs dynamo keeps of one function. Past them a block runs uncompiled
+    (its flex attention out of memory), so the limit gets headroom; a form beyond it is an error."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                REGIONAL_RECOMPILE_LIMIT)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
