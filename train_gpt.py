@@ -838,7 +838,7 @@ def train(args, checkpoint=None):
         train_losses.write(wait=True)
         log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
         if hellaswag_examples and not stopping:
-            stopping, stop_signal = run_hellaswag(hellaswag_examples, args, log, model, stop)
+            stopping, stop_signal = hellaswag_examples.score(model, args, log, stop)
         if stopping or log.failure:
             log_stop(log, stop_signal, step, saved, world_size)
     if world_size > 1:
@@ -1071,11 +1071,10 @@ def check_fused_head(model, option, log):
     log(f"fused head loss off: {reason}; the plain head computes it")
 
 # --------------------------------------------------------------------------------------------------
-# Device set-up
+# Device set-up; data budget: the shards a run reads, whether they suffice, the smoke data
 
-# What torchrun sets for each process it starts. Left over in a shell, they would make one process
-# a rank of a run that does not exist: RANK=1 trains with no log and wrong Muon updates, and
-# WORLD_SIZE=2 waits up to 30 minutes for a second process.
+# What torchrun sets for each process. Left over in a shell, they make a process a rank of no run:
+# RANK=1 trains with no log and wrong Muon updates; WORLD_SIZE=2 waits 30 minutes for a second.
 LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                     "MASTER_PORT"]
 
@@ -1151,9 +1150,6 @@ def out_of_memory_as_error(micro_batch):
                         f"--max_device_batch_size {micro_batch // 2} (half usually fits; the "
                         "global batch and the maths stay the same)", every_rank=True) from None
 
-# --------------------------------------------------------------------------------------------------
-# Data budget: the shards a run reads, whether they hold enough tokens, the generated smoke data
-
 def fetch_hint(num_iterations, batch_size):
     """The command that fetches the FineWeb shards a run reads."""
     # whole batches in a 100M-token shard
@@ -1212,8 +1208,7 @@ def reopen_shard(loader, shard):
 
 @contextlib.contextmanager
 def checkpoint_on_data_fault(args, log, step, model, adam, muon, train_loader, clock):
-    """Where a checkpoint is due, a shard failing mid-run (reopen_shard) ends the run after this
-    step's: the loader has not moved, so a resume reads the same batch."""
+    """A shard failing mid-run ends the run after a due checkpoint; a resume rereads its batch."""
     try:
         yield
     except UserError as fault:
@@ -1258,8 +1253,7 @@ def write_data_shard(path, tokens):
     Path(path).write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
 
 def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
-    """EOT-led documents of 40 to 399 tokens of a random Markov chain: learnable far below
-    ln(vocab). Written into one array, 2 bytes a token as in a shard."""
+    """EOT-led documents of 40 to 399 tokens of a Markov chain (learnable far below ln(vocab))."""
     table = np.random.default_rng(chain_seed).integers(0, vocab, size=(vocab, successors)).tolist()
     rng = np.random.default_rng(seed)
     tokens = np.empty(num_tokens, dtype=np.uint16)
@@ -1301,9 +1295,8 @@ def process_is_gone(pid):
     return False
 
 def remove_stale_temp_files(args):
-    """Remove the temp files (temp_path's names) of this trainer's writes cut short on this machine,
-    once their process is gone: checkpoints in the run folders of --log_dir, synthetic shards, the
-    --compile_cache file. Nothing else is touched. Returns the paths removed."""
+    """Remove and return the temp files (temp_path's) of this trainer's writes cut short here whose
+    process is gone: run folders' checkpoints, synthetic shards, --compile_cache; nothing else."""
     owner = rf"\.{re.escape(socket.gethostname())}\.(\d+)\.tmp"
     log_dir = re.escape(os.path.join(args.log_dir, ""))
     sep = re.escape(os.sep)
@@ -1386,12 +1379,11 @@ def build_loaders(args, rank, world_size, device, val_batch):
     return train_loader, val_loader, passes
 
 # --------------------------------------------------------------------------------------------------
-# Run log: rank 0's logs/<run id>.txt, which begins with this file's source and the set-up
+# Run log: rank 0's logs/<run id>.txt (this file's source, the set-up), train time, step lines
 
 def to_console(line, stream=None):
-    """Print a line on stdout (or the stream given). A console gone away (a closed pipe, a hung-up
-    terminal) never ends the run: the log goes on, and the stream writes to os.devnull from then on,
-    so that no later print fails, ours or any other code's (Python's flush at exit)."""
+    """Print a line on stdout (or the stream given). A console gone away (a closed pipe) never ends
+    the run: the stream writes to os.devnull from then on, and no later print fails (any code's)."""
     stream = stream or sys.stdout
     try:
         print(line, file=stream, flush=True)
@@ -1427,8 +1419,7 @@ def post_to_rank_zero(line):
         store.set(peer_key(f"error{number}"), line)
 
 def peer_lost(error):
-    """One line for a collective failed as another process died (killed, its node lost), naming
-    the first rank that posted an error (post_to_rank_zero); None for other errors."""
+    """A collective failed as another process died: one line naming the first to post; else None."""
     backend_failure = r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|NCCL|gloo"
     if not (isinstance(error, RuntimeError) and re.search(backend_failure, str(error))
             and dist.is_initialized() and dist.get_world_size() > 1):
@@ -1472,11 +1463,10 @@ class PeerErrors:
                 self._catch_up()
 
 class RunLog(contextlib.AbstractContextManager):
-    """Rank 0 writes the log; the other ranks' calls do nothing. Rank 0 also removes, at the start,
-    the temp files of earlier writes cut short (remove_stale_temp_files), named in the header. A
-    line that cannot be written (a full disk) closes the file and sets `failure`: the ranks then
-    stop as on a signal (CleanStop), and the line saying so goes to stderr. With several processes,
-    rank 0's log also gets the last line of any other rank that fails (PeerErrors)."""
+    """Rank 0 writes the log (the other ranks' calls do nothing), its header naming the temp files
+    of earlier writes cut short that it removed. A line that cannot be written (a full disk) closes
+    the file and sets `failure`: the ranks then stop as on a signal (CleanStop), and the line saying
+    so goes to stderr. Rank 0's log also gets the last line of any rank that fails (PeerErrors)."""
     def __init__(self, args, master, hellaswag=None):
         self.file = None
         self.peers = None
@@ -1488,7 +1478,6 @@ class RunLog(contextlib.AbstractContextManager):
         self.checkpoints = []
         # the step of the last checkpoint that could not be written
         self.unsaved_step = None
-        # why the log stopped being written, once a write failed
         self.failure = None
         if master:
             make_writable_folder(args.log_dir, "--log_dir")
@@ -1574,9 +1563,6 @@ class RunLog(contextlib.AbstractContextManager):
             self(f"removed {len(self.removed)} temp files of interrupted writes: "
                  f"{', '.join(self.removed)}")
         self("=" * 100, console=False)
-
-# --------------------------------------------------------------------------------------------------
-# Train time and the step lines
 
 class TrainClock:
     """Train time, as the record measures it: paused (waiting for the device) around validation and
@@ -1670,10 +1656,9 @@ def exit_code(log, stopping, stop_signal):
 REGIONAL_RECOMPILE_LIMIT = 32
 
 def compile_regions(model):
-    """Each block and the head compiled alone: 4 block forms are traced, not 12 blocks. Training
-    and evaluation trace 4 each, all the graphs of one function dynamo keeps by default (8): past
-    them it runs the block uncompiled, whose flex attention then builds the whole score matrix (out
-    of memory at 65,536 tokens). So the limit gets headroom, and a form beyond it is an error."""
+    """Each block and the head compiled alone: 4 block forms traced, not 12 blocks, by training and
+    by evaluation each: all 8 graphs dynamo keeps of one function. Past them a block runs uncompiled
+    (its flex attention out of memory), so the limit gets headroom; a form beyond it is an error."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                REGIONAL_RECOMPILE_LIMIT)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
@@ -1714,8 +1699,7 @@ def is_compile_cache(path):
     return re.fullmatch(header, first_line) is not None
 
 def load_compile_cache(path, stamp, compiled=True):
-    """Every rank fills the compile caches from --compile_cache (path) before anything compiles;
-    returns what happened ("" for no path)."""
+    """Every rank fills its compile caches from path before anything compiles: what happened."""
     if not path:
         return ""
     if not compiled:
@@ -1777,7 +1761,7 @@ def startup_report(args, compiled, stamp, master, step):
     return line
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints, resume and stopping
+# Checkpoints, resume and stopping; HellaSwag after the last step (--hellaswag)
 
 # steps between exchanges of the stop flag among processes
 STOP_CHECK_EVERY = 5
@@ -1951,10 +1935,9 @@ def tensor_bytes(state, storages=None):
     return sum(storages.values())
 
 def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
-    """Rank 0 writes a temp file and renames it into place (never half a checkpoint); a run keeps
-    the last two it wrote, and deletes no other file. Every rank takes part: each holds the Muon
-    momenta of its own matrices. A write that fails (a full disk) is one warning: the partial file
-    is removed, the last checkpoint stays, training goes on, and rank 0 returns None."""
+    """Rank 0 writes a temp file and renames it into place (never half a checkpoint); every rank
+    takes part, each holding the Muon momenta of its own matrices. A write that fails (a full disk)
+    is a warning: the partial file goes, the last one stays, training goes on; rank 0 gets None."""
     started = time.perf_counter()
     names = {p: name for name, p in model.named_parameters()}
     momenta = {}
@@ -2015,41 +1998,17 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
     log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
     return path
 
-# --------------------------------------------------------------------------------------------------
-# HellaSwag after the last step (--hellaswag): evals/hellaswag.py, imported only when asked, is
-# handed this file's model and end-of-text id (it imports nothing of this file)
-
 def load_hellaswag(args):
-    """With --hellaswag, its scorer with the examples read and tokenised now: evals/ missing (it
-    must be beside this script), a bad file or tokenizer fails before anything is written."""
+    """With --hellaswag, evals/hellaswag.py's scorer, the examples read and tokenised now: evals/
+    missing (it must be beside this script), a bad file or tokenizer fails before any write."""
     if not args.hellaswag:
         return None
     try:
         from evals import hellaswag
-        return hellaswag.ForTrainer(args.hellaswag_data or None, args.tokenizer or None, EOT)
+        return hellaswag.ForTrainer(args)
     except ImportError as e:
         raise UserError(f"--hellaswag needs the repository's evals/ and data/ folders beside this "
                         f"script, in {Path(__file__).resolve().parent} ({e})") from None
-    except hellaswag.EvalError as e:
-        raise UserError(f"--hellaswag: {e}") from None
-
-def run_hellaswag(scorer, args, log, model, stop):
-    """The trained model's HellaSwag scores into the log, outside train time, each rank scoring its
-    share in sequences of --max_device_batch_size tokens, as validation, with the window the
-    training ended with, and its peak memory (a CPU's: the process's); (stopping, the signal): a
-    stop signal ends it with no score, as it ends training."""
-    window_blocks = window_blocks_at(args.num_iterations, args)
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    lines, stop_signal = scorer.score(model, window_blocks, args.max_device_batch_size,
-                                      should_stop=lambda: stop.received)
-    if lines:
-        details, result = lines
-        log(details)
-        log(f"hellaswag: peak memory {peak_memory_mib(device)} MiB")
-        log(result)
-    return stop_signal != 0, stop_signal
 
 # --------------------------------------------------------------------------------------------------
 # Options (each read from its field's facts), arguments and main

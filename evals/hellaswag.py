@@ -23,7 +23,7 @@ is `hellaswag: acc_norm=... acc=... n=...`; the line before it says how long the
 
 The model is the checkpoint's own: built by the trainer whose source the checkpoint carries (see
 evals/common.py), whose end-of-text id and block size the scoring uses. The trainer's --hellaswag
-hands over its own model and end-of-text id instead (ForTrainer), and its log embeds this file's
+hands over its own model and options instead (ForTrainer), and its log embeds this file's
 source and common.py's after its own.
 """
 import copy
@@ -375,26 +375,41 @@ def logged_source():
 
 
 class ForTrainer:
-    """The trainer's --hellaswag: the examples, read and rendered with the trainer's end-of-text id
-    at its start-up (a bad file fails before anything is written), and the source of the code
-    that scores them, which its log embeds after its own."""
+    """The trainer's --hellaswag, handed its options: the examples, read and rendered with the
+    trainer's end-of-text id at its start-up (a bad file fails, as the trainer's UserError, before
+    anything is written), and the source of the code that scores them, which its log embeds after
+    its own. The trainer's constants and functions are read from the module that defined args."""
 
-    def __init__(self, data, tokenizer_file, eot):
-        self.rendered, self.labels = prepare(data, tokenizer_file, data_option="--hellaswag_data",
-                                             eot=eot)
+    def __init__(self, args):
+        trainer = common.trainer_of(args)
+        try:
+            self.rendered, self.labels = prepare(args.hellaswag_data or None,
+                                                 args.tokenizer or None,
+                                                 data_option="--hellaswag_data", eot=trainer.EOT)
+        except EvalError as e:
+            raise trainer.UserError(f"--hellaswag: {e}") from None
         self.source = logged_source()
 
-    def score(self, model, window_blocks, sequence_length, should_stop):
-        """The trainer's model scored by every rank (its share) in sequences of sequence_length
-        tokens: the lines for the log (what was scored, the scores) and 0, or no lines and the
-        signal of a stop that should_stop() gave on any rank (no partial score)."""
+    def score(self, model, args, log, stop):
+        """The trained model's scores into the trainer's log, outside train time, each rank scoring
+        its share in sequences of --max_device_batch_size tokens, as validation, with the window
+        the training ended with, and its peak memory (a CPU's: the process's); (stopping, the
+        signal): a stop signal (stop.received on any rank) ends it with no score."""
+        trainer = common.trainer_of(model)
+        window_blocks = trainer.window_blocks_at(args.num_iterations, args)
+        device = next(model.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         try:
             acc_norm, acc, n, details = evaluate(model, self.rendered, self.labels, window_blocks,
-                                                 sequence_length=sequence_length,
-                                                 should_stop=should_stop)
+                                                 sequence_length=args.max_device_batch_size,
+                                                 should_stop=lambda: stop.received)
         except Stopped as stopped:
-            return [], stopped.signal
-        return [details, result_line(acc_norm, acc, n)], 0
+            return True, stopped.signal
+        log(details)
+        log(f"hellaswag: peak memory {trainer.peak_memory_mib(device)} MiB")
+        log(result_line(acc_norm, acc, n))
+        return False, 0
 
 
 def main(argv=None):
