@@ -847,11 +847,9 @@ def train(args, checkpoint=None):
     return exit_code(log, stopping, stop_signal)
 
 # ==================================================================================================
-# Everything above is the speedrun: a change to the model, the optimiser or the schedule needs
-# nothing below. Below, first, the fused-head kernels: the default GPU path, which CUDA runs in
-# place of GPT.head_loss (--fused_head_loss auto) where a start-up check finds they compute it.
-# Then what makes a run safe and repeatable: device set-up, data budget, run log, train time and
-# step lines, compile options and cache, checkpoints, resume and stopping, option checks and main.
+# Above: the speedrun; a change to its model, optimiser or schedule needs nothing below the fence.
+# Below: the fused-head kernels, the default GPU path in place of GPT.head_loss where a start-up
+# check finds they compute it; then device set-up, data, run log, compile cache, checkpoints, main.
 # ==================================================================================================
 
 import argparse
@@ -1189,14 +1187,14 @@ def shard_facts(path, expected=None):
     return facts
 
 def reopen_shard(loader, shard):
-    """A shard's tokens; gone, unreadable or changed, it ends the run on all ranks (they agree)."""
+    """A shard's tokens; gone, unreadable or changed, it ends the run on all ranks: they agree on
+    the CPU group of the stop flag, with no wait for the device."""
     failure = ""
     try:
         shard_facts(loader.files[shard], loader.facts[shard])
         tokens = load_data_shard(loader.files[shard], loader.vocab_size)
     except UserError as e:
         failure = str(e)
-    # on the CPU group, as the stop flag: no wait for the device
     if loader.group is not None:
         failed = torch.tensor(len(failure))
         dist.all_reduce(failed, dist.ReduceOp.MAX, group=loader.group)
@@ -1801,8 +1799,7 @@ class CleanStop(contextlib.AbstractContextManager):
             self.received = signum
 
     def __exit__(self, kind, error, traceback):
-        # A rank failing among several keeps the flag as its handler while it writes its last lines:
-        # torchrun sends SIGTERM to every worker as soon as one has failed. (Its process ends next.)
+        # a failing rank keeps this handler while it writes its last lines: torchrun SIGTERMs all
         if error is not None and self.group is not None:
             return
         # a pending all-reduce ends with its group: every rank launched it
@@ -2080,8 +2077,7 @@ def main(argv=None):
         check_hyperparameters(args)
         return train(args, checkpoint)
     except UserError as e:
-        # Once a node (local rank 0), so that each node's console has it, a checkpoint missing on
-        # one node included; an error of one rank alone (every_rank) on that rank.
+        # once a node (local rank 0), so every node's console has it; every_rank: on each rank
         console = e.every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0
         last_words(f"error: {e}", console=console, own=e.every_rank)
         return 1
