@@ -225,7 +225,7 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path, monkeypatch):
 @pytest.mark.parametrize("finished", [0, 3])
 def test_an_interrupted_run_goes_on_to_the_same_files(tmp_path, monkeypatch, finished):
     paths = write_inputs(tmp_path / "in", corpus(150, seed=3), ["jsonl", "jsonl.gz", "jsonl"])
-    options = ["--val_tokens", "300", "--shard_tokens", "900"]
+    options = ["--val_tokens", "300", "--shard_tokens", "2000"]
     assert make(paths, tmp_path / "whole", *options, encoding=byte_encoding()) == 0
     whole = file_bytes(tmp_path / "whole")
     rename = text_to_shards.ShardWriter.rename
@@ -264,7 +264,7 @@ def test_an_interrupted_run_goes_on_to_the_same_files(tmp_path, monkeypatch, fin
 
 def test_changed_input_makes_the_shards_again(tmp_path):
     paths = write_inputs(tmp_path / "in", corpus(60, seed=4), ["jsonl", "jsonl"])
-    options = ["--val_tokens", "200", "--shard_tokens", "500"]
+    options = ["--val_tokens", "200", "--shard_tokens", "1000"]
     assert make(paths, tmp_path / "out", *options, encoding=byte_encoding()) == 0
     before = file_bytes(tmp_path / "out")
     paths[1].write_text(json_lines(["short now"]))
@@ -442,9 +442,14 @@ def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
         hub.add(f"sample/10BT/{i:03d}_00000.jsonl.gz", part)
     # another config's file
     hub.add("data/CC-MAIN-2024/000.jsonl.gz", gzip.compress(json_lines(documents).encode()))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    # no user token, cache or endpoint from the caller's environment; plain HTTP, so no
+    # certificate authorities to load (SSL_CERT_DIR empty, no SSL_CERT_FILE)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_", "HUGGING")) and k != "SSL_CERT_FILE"}
+    authorities = tmp_path / "no_certificate_authorities"
+    authorities.mkdir()
     env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"),
-               HF_HUB_DOWNLOAD_TIMEOUT="5")
+               HF_HUB_DOWNLOAD_TIMEOUT="5", SSL_CERT_DIR=str(authorities))
     argv = ["--hub", "someone/corpus", "--hub_config", "sample-10BT", "--name", "edu", "--out",
             str(tmp_path / "out"), "--val_tokens", "100", "--workers", "1"]
     try:

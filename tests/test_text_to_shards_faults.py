@@ -21,6 +21,8 @@ from helpers import start_process
 
 WORDS = ["the", "speedrun", "na\u00efve", "token", "shard", "d\u00e9j\u00e0", "42"]
 OPTIONS = ["--val_tokens", "300", "--shard_tokens", "5000"]
+# documents in each of the two inputs: about 28,000 tokens each, so 12 train shards in all
+DOCUMENTS = 150
 
 # the command line in a fresh process, with a one-token-per-byte encoding; each worker writes its
 # pid into WORKERS_DIR on its first chunk and then takes SLOW seconds per chunk, so that a test can
@@ -128,9 +130,9 @@ def gone(pids, within=10):
 
 
 def write_inputs(folder):
-    """The two inputs, 300 documents each."""
-    return [write_corpus(folder / "a.jsonl", 300, seed=1),
-            write_corpus(folder / "b.jsonl", 300, seed=2)]
+    """The two inputs, DOCUMENTS each."""
+    return [write_corpus(folder / "a.jsonl", DOCUMENTS, seed=1),
+            write_corpus(folder / "b.jsonl", DOCUMENTS, seed=2)]
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +241,7 @@ def test_a_bad_line_appended_to_an_input_leaves_the_finished_dataset_as_it_was(t
     capsys.readouterr()
     assert make(paths, out) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"error: {paths[1]}: line 302: not valid JSON"), last
+    assert last.startswith(f"error: {paths[1]}: line {DOCUMENTS + 2}: not valid JSON"), last
     assert file_bytes(out) == whole
     assert sorted(path.name for path in out.iterdir()) == sorted(whole)
 
