@@ -81,9 +81,9 @@ def env_for(endpoint: str, tmp_path: Path, download_timeout: int = 5) -> dict[st
 
 @contextlib.contextmanager
 def hub_environment(env: dict[str, str]):
-    """os.environ's HF_ variables as in `env`, and huggingface_hub's constants read from them
-    again, as a fresh process reads them on import; afterwards both as they were, and the
-    client's connections closed, as at a process's end (no keep-alive reaches the next run)."""
+    """os.environ as `env`, and huggingface_hub's constants read from it again, as a fresh process
+    reads them on import; afterwards both as they were, and the client's connections closed, as
+    at a process's end (no keep-alive connection reaches the next run)."""
     import huggingface_hub
     from huggingface_hub import constants
 

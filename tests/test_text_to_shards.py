@@ -405,10 +405,9 @@ configs:
 
 @contextlib.contextmanager
 def hub_environment(env):
-    """os.environ's HF_ variables as in `env`, and huggingface_hub's constants read from them
-    again, as a fresh process reads them on import (HF_ENDPOINT, say); afterwards both as they
-    were, the client's connections closed and its progress bars as they were, as at a process's
-    end."""
+    """os.environ as `env`, and huggingface_hub's constants read from it again, as a fresh process
+    reads them on import (HF_ENDPOINT, say); afterwards both as they were, the client's
+    connections closed and its progress bars as they were, as at a process's end."""
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.utils import are_progress_bars_disabled
