@@ -183,15 +183,22 @@ def run(args) -> int:
     train_names = [f"{prefix}_train_{i:06d}.bin" for i in range(1, args.n + 1)]
     names = [f"{prefix}_val_000000.bin"] + train_names
     start = time.perf_counter()
+    descriptor = None
     try:
         dest.mkdir(parents=True, exist_ok=True)
-        # Two runs must not share .incoming/. The descriptor stays open: the lock ends with the
-        # process.
-        fcntl.flock(os.open(dest, os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        sys.exit(f"error: another run is already downloading into {dest}; wait for it to finish")
+        # Two runs must not share .incoming/. The descriptor stays open until this run ends (the
+        # process, from the command line).
+        descriptor = os.open(dest, os.O_RDONLY)
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        sys.exit(f"error: cannot use the target folder {dest}: {e.strerror}")
+        if descriptor is not None:
+            os.close(descriptor)
+        if isinstance(e, BlockingIOError):
+            why = f"another run is already downloading into {dest}; wait for it to finish"
+        else:
+            why = f"cannot use the target folder {dest}: {e.strerror}"
+        print(f"error: {why}", file=sys.stderr)
+        return 1
 
     def interrupted(signum, frame):
         """Download threads cannot be stopped politely: drop their files, leave now."""
@@ -200,9 +207,21 @@ def run(args) -> int:
                          "rerun to continue\n")
         os._exit(130)
 
-    signal.signal(signal.SIGINT, interrupted)
     # a killed job cleans up like Ctrl-C
-    signal.signal(signal.SIGTERM, interrupted)
+    handlers = {signum: signal.signal(signum, interrupted)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return fetch_and_report(repo, dest, names, args, start)
+    finally:
+        # as they were, for a caller in the same process (the tests)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        os.close(descriptor)
+
+
+def fetch_and_report(repo: str, dest: Path, names: list[str], args, start: float) -> int:
+    """With the folder locked: fetch, then say what is there and what went wrong; the exit
+    status."""
     # debris of a killed run
     shutil.rmtree(dest / STAGING, ignore_errors=True)
     try:

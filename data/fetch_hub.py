@@ -140,8 +140,9 @@ class FakeHub:
         self.hub = _Server(("127.0.0.1", 0), self, "hub")
         self.cdn = _Server(("127.0.0.1", 0), self, "cdn")
         self.endpoint = f"http://127.0.0.1:{self.hub.server_port}"
+        # stop() waits up to one poll interval for each listener
         self._threads = [
-            threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True)
+            threading.Thread(target=s.serve_forever, args=(0.01,), daemon=True)
             for s in (self.hub, self.cdn)
         ]
         for t in self._threads:

@@ -601,8 +601,11 @@ class Workers:
             for _ in range(count):
                 task_reader, task_writer = context.Pipe(duplex=False)
                 answer_reader, answer_writer = context.Pipe(duplex=False)
-                # a forked worker holds copies of the earlier workers' pipe ends: it closes them
-                inherited = self.tasks + self.answers if forked else None
+                # a forked worker holds copies of the parent's pipe ends, the earlier workers' and
+                # its own: it closes them, or its task pipe would never close when the parent's end
+                # does, and stop() would wait out its 5 s for every worker
+                own = [task_writer, answer_reader]
+                inherited = self.tasks + self.answers + own if forked else None
                 arguments = (task_reader, answer_writer, inherited, os.getpid(), encoding,
                              text_field)
                 process = context.Process(target=work, args=arguments, daemon=True)

@@ -1,13 +1,22 @@
-"""data/cached_fineweb10B.py, run as users run it (a subprocess) with the real huggingface_hub
-client, against a stand-in of the hub's download protocol and of the one API call the script makes
-(dataset_info, for the published sha256 of each shard) on 127.0.0.1 (data/fetch_hub.py).
-Offline: HF_ENDPOINT points at the stand-in, HF_HOME/HF_HUB_CACHE into tmp_path."""
+"""data/cached_fineweb10B.py with the real huggingface_hub client, against a stand-in of the hub's
+download protocol and of the one API call the script makes (dataset_info, for the published
+sha256 of each shard) on 127.0.0.1 (data/fetch_hub.py). Offline: HF_ENDPOINT points at the
+stand-in, HF_HOME/HF_HUB_CACHE into tmp_path.
+
+Most runs call the script's main() in this process, with the environment a fresh process would
+have and huggingface_hub's constants read from it again (as its import does), its connections
+closed after each run. What needs a process of its own runs as users run it (slow): Ctrl-C,
+SIGTERM and SIGKILL mid-download, a file-size limit (a full disk), and a copy of the script run
+from another folder."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import glob
 import hashlib
 import importlib
+import io
 import os
 import shutil
 import signal
@@ -16,9 +25,13 @@ import sys
 import time
 from pathlib import Path
 
+import cached_fineweb10B
 import fetch_hub
 import numpy as np
 import pytest
+from helpers import launch_env
+from helpers import run_process
+from helpers import started
 
 ROOT = Path(__file__).resolve().parents[1]
 # the stand-in hub, in data/ beside the tool it stands in for
@@ -48,40 +61,92 @@ def hub():
 
 
 def env_for(endpoint: str, tmp_path: Path, download_timeout: int = 5) -> dict[str, str]:
-    # No user token, cache or endpoint leaks in from the caller's environment.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    """The environment of a run: no user token, cache or endpoint leaks in from the caller's. The
+    stand-in speaks plain HTTP: the client trusts an empty folder of certificate authorities
+    (SSL_CERT_DIR, no SSL_CERT_FILE) rather than load a bundle, 55 ms of CPU at each run's new
+    client."""
+    env = {k: v for k, v in launch_env().items()
+           if not k.startswith(("HF_", "HUGGING")) and k != "SSL_CERT_FILE"}
+    authorities = tmp_path / "no_certificate_authorities"
+    authorities.mkdir(exist_ok=True)
     env.update(
         HF_ENDPOINT=endpoint,
         HF_HOME=str(tmp_path / "hf_home"),
         HF_HUB_CACHE=str(tmp_path / "hf_cache"),
         HF_HUB_DOWNLOAD_TIMEOUT=str(download_timeout),
+        SSL_CERT_DIR=str(authorities),
     )
     return env
 
 
-def command(tmp_path: Path, *args: str, wrapper: list[str] = ()) -> list[str]:
-    return [
-        sys.executable,
-        *wrapper,
-        str(SCRIPT),
-        *args,
-        "--dir",
-        str(tmp_path / "data"),
-    ]
+@contextlib.contextmanager
+def hub_environment(env: dict[str, str]):
+    """os.environ as `env`, and huggingface_hub's constants read from it again, as a fresh process
+    reads them on import; afterwards both as they were, and the client's connections closed, as
+    at a process's end (no keep-alive connection reaches the next run)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    saved = dict(os.environ)
+    for name in set(saved) - set(env):
+        del os.environ[name]
+    os.environ.update(env)
+    importlib.reload(constants)
+    try:
+        yield
+    finally:
+        huggingface_hub.close_session()
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        os.environ.update(saved)
+        importlib.reload(constants)
 
 
-def fetch(
-    hub: FakeHub | str, tmp_path: Path, *args: str, wrapper: list[str] = ()
-) -> subprocess.CompletedProcess:
+def fetch(hub: FakeHub | str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """main(argv) in this process, as `python data/cached_fineweb10B.py ARGS --dir tmp/data` runs:
+    its exit status (argparse's 2 included), stdout and stderr."""
     endpoint = hub if isinstance(hub, str) else hub.endpoint
-    return subprocess.run(
-        command(tmp_path, *args, wrapper=wrapper),
-        check=False,
-        env=env_for(endpoint, tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    argv = [*args, "--dir", str(tmp_path / "data")]
+    stdout = io.StringIO()
+    stderr = io.StringIO()
+    with hub_environment(env_for(endpoint, tmp_path)), contextlib.redirect_stdout(stdout):
+        with contextlib.redirect_stderr(stderr):
+            try:
+                code = cached_fineweb10B.main(argv)
+            except SystemExit as stop:
+                code = stop.code
+    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
+
+
+def command(tmp_path: Path, *args: str, wrapper: list[str] = ()) -> list[str]:
+    return [sys.executable, *wrapper, str(SCRIPT), *args, "--dir", str(tmp_path / "data")]
+
+
+def fetch_in_a_process(hub: FakeHub, tmp_path: Path, *args: str,
+                       wrapper: list[str] = ()) -> subprocess.CompletedProcess:
+    """The script run as users run it, in a process of its own."""
+    return run_process(command(tmp_path, *args, wrapper=wrapper), 60,
+                       env=env_for(hub.endpoint, tmp_path))
+
+
+class NoPause:
+    """The time module, whose sleep returns at once."""
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds):
+        pass
+
+
+@pytest.fixture
+def no_retry_pause(monkeypatch):
+    """The hub client waits 1 s before it resumes a dropped download (file_download.http_get);
+    the retry stays, the wait goes."""
+    from huggingface_hub import file_download
+
+    monkeypatch.setattr(file_download, "time", NoPause())
 
 
 def header_ok(raw: bytes) -> bool:
@@ -194,7 +259,7 @@ def test_bad_local_shard_is_replaced(hub, tmp_path, damage):
     assert_only_good_shards(dest, hub, [VAL, train(1), train(2)])
 
 
-def test_resumes_after_a_dropped_connection(hub, tmp_path):
+def test_resumes_after_a_dropped_connection(hub, tmp_path, no_retry_pause):
     # The hub client writes in 10 MiB chunks and resumes from the last whole chunk, so this
     # shard is 12 MB and the connection drops 10.5 MB in; the retry must ask for the rest only.
     chunk, cut = 10 * 2**20, 11_000_000
@@ -212,6 +277,7 @@ def test_resumes_after_a_dropped_connection(hub, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_sister_dataset_and_default_folder_beside_the_script(tmp_path):
     # A copy of the script, run from another folder without --dir: files land beside the copy.
     copy = tmp_path / "repo" / "data" / "cached_fineweb10B.py"
@@ -226,15 +292,8 @@ def test_sister_dataset_and_default_folder_beside_the_script(tmp_path):
     try:
         edu.add("finewebedu_val_000000.bin", random_shard(1000, seed=7))
         edu.add("finewebedu_train_000001.bin", random_shard(1500, seed=8))
-        result = subprocess.run(
-            [sys.executable, str(copy), "1", "--dataset", "finewebedu10B"],
-            check=False,
-            cwd=elsewhere,
-            env=env_for(edu.endpoint, tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = run_process([sys.executable, str(copy), "1", "--dataset", "finewebedu10B"],
+                             60, cwd=elsewhere, env=env_for(edu.endpoint, tmp_path))
         assert result.returncode == 0, result.stderr
         folder = copy.parent / "finewebedu10B"
         assert_only_good_shards(
@@ -364,7 +423,7 @@ def test_bad_command_line(hub, tmp_path, args):
     assert hub.requests() == []
 
 
-def test_dropped_connection_leaves_no_shard(hub, tmp_path):
+def test_dropped_connection_leaves_no_shard(hub, tmp_path, no_retry_pause):
     # The server cuts the body after 3000 bytes and refuses the client's resume request.
     hub.add(train(2), hub.served(train(2)), mode="drop", cut=3000, then="fail")
     result = fetch(hub, tmp_path, "2", "--workers", "1")
@@ -379,6 +438,7 @@ def test_dropped_connection_leaves_no_shard(hub, tmp_path):
     assert_only_good_shards(dest, hub, [VAL, train(1)])
 
 
+@pytest.mark.slow
 def test_disk_full_is_reported(hub, tmp_path):
     # A file-size limit makes writes past 6000 bytes fail (EFBIG), as a full disk would (ENOSPC).
     limit = 6000
@@ -389,56 +449,46 @@ def test_disk_full_is_reported(hub, tmp_path):
         "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
     )
     wrapper = ["-c", code]
-    result = fetch(hub, tmp_path, "1", "--workers", "1", wrapper=wrapper)
+    result = fetch_in_a_process(hub, tmp_path, "1", "--workers", "1", wrapper=wrapper)
     assert_clean_failure(result, "disk is full", train(1), "are kept")
     assert_only_good_shards(tmp_path / "data", hub, [VAL])
 
 
-def test_not_enough_space_is_reported_before_downloading(hub, tmp_path):
+def test_not_enough_space_is_reported_before_downloading(hub, tmp_path, monkeypatch):
     # The script sees 5000 bytes free; the hub's listing says the three shards need more.
     need = sum(len(hub.served(n)) for n in (VAL, train(1), train(2)))
-    code = (
-        "import collections, os, runpy, shutil, sys; "
-        "usage = collections.namedtuple('u', 'total used free'); "
-        "shutil.disk_usage = lambda p: usage(10**12, 10**12, 5000); "
-        # as `python SCRIPT` does, the script's folder first on the import path
-        "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
-        "runpy.run_path(sys.argv[0], run_name='__main__')"
-    )
-    result = fetch(hub, tmp_path, "2", wrapper=["-c", code])
+    usage = collections.namedtuple("usage", "total used free")(10**12, 10**12, 5000)
+    # for the script and the hub client, as in a process where it were so
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+    result = fetch(hub, tmp_path, "2")
     assert_clean_failure(result, "not enough disk space", f"need {need:,} bytes",
                          "5,000 bytes is free")
     assert hub.file_gets() == []
     assert os.listdir(tmp_path / "data") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sig",
     [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
     ids=["ctrl-c", "term", "kill"],
 )
 def test_interrupted_download_leaves_no_shard(hub, tmp_path, sig):
+    """In a process of its own: the signal ends it."""
     good = hub.served(train(1))
     # The server sends 3000 bytes, then hangs; the client would wait 60 s before retrying.
     hub.add(train(1), good, mode="stall", cut=3000)
-    proc = subprocess.Popen(
-        command(tmp_path, "1", "--workers", "1"),
-        env=env_for(hub.endpoint, tmp_path, download_timeout=60),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    env = env_for(hub.endpoint, tmp_path, download_timeout=60)
+    with started(command(tmp_path, "1", "--workers", "1"), env=env, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True) as proc:
         assert hub.stalled.wait(30), "the download never started"
-        # A second run meanwhile is turned away, not let into .incoming/.
+        # A second run meanwhile (in this process) is turned away, not let into .incoming/.
         if sig == signal.SIGINT:
             second = fetch(hub, tmp_path, "1")
             assert_clean_failure(second, "another run is already downloading")
         proc.send_signal(sig)
         # It exits at once, not after the stalled download.
         _, err = proc.communicate(timeout=10)
-    finally:
-        proc.kill()
     dest = tmp_path / "data"
     if sig == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL

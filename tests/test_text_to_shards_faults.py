@@ -16,9 +16,14 @@ import pytest
 import text_to_shards
 import tiktoken
 from conftest import REPO
+from helpers import kill_group
+from helpers import launch_env
+from helpers import start_process
 
 WORDS = ["the", "speedrun", "na\u00efve", "token", "shard", "d\u00e9j\u00e0", "42"]
-OPTIONS = ["--val_tokens", "300", "--shard_tokens", "2000"]
+OPTIONS = ["--val_tokens", "300", "--shard_tokens", "5000"]
+# documents in each of the two inputs: about 28,000 tokens each, so 12 train shards in all
+DOCUMENTS = 150
 
 # the command line in a fresh process, with a one-token-per-byte encoding; each worker writes its
 # pid into WORKERS_DIR on its first chunk and then takes SLOW seconds per chunk, so that a test can
@@ -70,16 +75,16 @@ def file_bytes(folder):
 
 
 def start(paths, out, tmp_path, workers=2, slow=0.05):
-    """The command line in its own process and session, slowed down; (process, folder of worker
+    """The command line in its own process and session, slowed down (its group killed at the
+    latest when the session ends, should the test fail first); (process, folder of worker
     pids)."""
     workers_dir = tmp_path / f"workers{time.monotonic_ns()}"
     workers_dir.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO / "data"), "WORKERS_DIR": str(workers_dir),
-           "SLOW": str(slow)}
+    env = launch_env(PYTHONPATH=str(REPO / "data"), WORKERS_DIR=str(workers_dir), SLOW=str(slow))
     command = [sys.executable, "-c", CHILD, *map(str, paths), "--out", str(out), "--name",
                "corpus", "--workers", str(workers), *OPTIONS]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    process = start_process(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     return process, workers_dir
 
 
@@ -125,13 +130,27 @@ def gone(pids, within=10):
     return False
 
 
+def write_inputs(folder):
+    """The two inputs, DOCUMENTS each."""
+    return [write_corpus(folder / "a.jsonl", DOCUMENTS, seed=1),
+            write_corpus(folder / "b.jsonl", DOCUMENTS, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Inputs that no test changes, and the bytes of the folder that one uninterrupted run makes
+    of them (the shards' record names the inputs, not the folder), made once for the tests that
+    stop, kill or break runs on them."""
+    folder = tmp_path_factory.mktemp("corpus")
+    paths = write_inputs(folder)
+    assert make(paths, folder / "whole") == 0
+    return paths, file_bytes(folder / "whole")
+
+
 @pytest.fixture
-def corpus(tmp_path):
-    """Inputs, and the bytes of the folder that one uninterrupted run makes of them."""
-    paths = [write_corpus(tmp_path / "a.jsonl", 300, seed=1),
-             write_corpus(tmp_path / "b.jsonl", 300, seed=2)]
-    assert make(paths, tmp_path / "whole") == 0
-    return paths, file_bytes(tmp_path / "whole")
+def inputs(tmp_path):
+    """Inputs of this test's own, for a test that changes them."""
+    return write_inputs(tmp_path)
 
 
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
@@ -161,14 +180,28 @@ def test_a_killed_worker_ends_the_run_in_one_line_and_a_rerun_gives_the_same_byt
 @needs_proc
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_a_stop_signal_ends_the_run_and_its_workers_and_a_rerun_goes_on(tmp_path, corpus, signum):
+def test_a_running_owner_keeps_its_lock_until_a_stop_signal_ends_it_and_its_workers(
+        tmp_path, corpus, capsys, signum):
+    """While the run works, another run (in this process) is refused in one line naming it; a stop
+    signal then ends the run and its workers, and a rerun goes on to the same bytes."""
     paths, whole = corpus
     out = tmp_path / "out"
-    process, workers_dir = start(paths, out, tmp_path)
-    workers = worker_pids(process, workers_dir, 2)
-    # as a terminal sends it: to the whole process group
-    os.killpg(process.pid, signum)
-    status, last = finish(process)
+    process, workers_dir = start(paths, out, tmp_path, slow=0.2)
+    try:
+        workers = worker_pids(process, workers_dir, 2)
+        capsys.readouterr()
+        assert make(paths, out) == 1
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        owner = f"pid {process.pid} on {socket.gethostname()}"
+        expected = f"error: another run ({owner}) is writing to {out}; wait for it to finish, or "
+        assert last == expected + "stop it"
+        # as a terminal sends it: to the whole process group
+        os.killpg(process.pid, signum)
+        status, last = finish(process)
+    finally:
+        # a failed check leaves no run behind
+        kill_group(process)
+        process.wait()
     assert status == 130
     assert last.startswith(f"interrupted: the finished shards in {out} are kept"), last
     assert gone(workers)
@@ -194,44 +227,29 @@ def test_workers_end_with_a_killed_run_whose_lock_the_rerun_takes_over(tmp_path,
     assert file_bytes(out) == whole
 
 
-@pytest.mark.slow
-def test_a_running_owner_keeps_its_lock(tmp_path, corpus, capsys):
-    paths, whole = corpus
-    out = tmp_path / "out"
-    process, workers_dir = start(paths, out, tmp_path, slow=0.2)
-    try:
-        worker_pids(process, workers_dir, 2)
-        assert make(paths, out) == 1
-        last = capsys.readouterr().err.strip().splitlines()[-1]
-        owner = f"pid {process.pid} on {socket.gethostname()}"
-        expected = f"error: another run ({owner}) is writing to {out}; wait for it to finish, or "
-        assert last == expected + "stop it"
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        finish(process)
-
-
 # Changed inputs ----------------------------------------------------------------------------------
-def test_a_bad_line_appended_to_an_input_leaves_the_finished_dataset_as_it_was(tmp_path, corpus,
+def test_a_bad_line_appended_to_an_input_leaves_the_finished_dataset_as_it_was(tmp_path, inputs,
                                                                                capsys):
-    paths, whole = corpus
+    paths = inputs
     out = tmp_path / "out"
     assert make(paths, out) == 0
+    whole = file_bytes(out)
     with open(paths[1], "a") as f:
         f.write('{"text": "fine"}\n{"text": unquoted}\n')
     capsys.readouterr()
     assert make(paths, out) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"error: {paths[1]}: line 302: not valid JSON"), last
+    assert last.startswith(f"error: {paths[1]}: line {DOCUMENTS + 2}: not valid JSON"), last
     assert file_bytes(out) == whole
     assert sorted(path.name for path in out.iterdir()) == sorted(whole)
 
 
-def test_a_changed_input_is_made_beside_the_old_dataset_then_swapped_in(tmp_path, corpus,
+def test_a_changed_input_is_made_beside_the_old_dataset_then_swapped_in(tmp_path, inputs,
                                                                         monkeypatch):
-    paths, whole = corpus
+    paths = inputs
     out = tmp_path / "out"
     assert make(paths, out) == 0
+    whole = file_bytes(out)
     write_corpus(paths[0], 200, seed=3)
     # what the new inputs give, made in a folder of their own
     assert make(paths, tmp_path / "fresh") == 0
@@ -255,8 +273,8 @@ def test_a_changed_input_is_made_beside_the_old_dataset_then_swapped_in(tmp_path
     assert sorted(path.name for path in out.iterdir()) == sorted(fresh)
 
 
-def test_an_interrupted_swap_is_finished_by_the_rerun(tmp_path, corpus, monkeypatch):
-    paths, whole = corpus
+def test_an_interrupted_swap_is_finished_by_the_rerun(tmp_path, inputs, monkeypatch):
+    paths = inputs
     out = tmp_path / "out"
     assert make(paths, out) == 0
     write_corpus(paths[1], 100, seed=4)
@@ -278,10 +296,11 @@ def test_an_interrupted_swap_is_finished_by_the_rerun(tmp_path, corpus, monkeypa
     assert file_bytes(out) == file_bytes(tmp_path / "fresh")
 
 
-def test_a_change_that_keeps_size_and_modification_time_is_seen(tmp_path, corpus, capsys):
-    paths, whole = corpus
+def test_a_change_that_keeps_size_and_modification_time_is_seen(tmp_path, inputs, capsys):
+    paths = inputs
     out = tmp_path / "out"
     assert make(paths, out) == 0
+    whole = file_bytes(out)
     before = os.stat(paths[0])
     text = paths[0].read_bytes()
     # one word for another of the same length, and the modification time set back
@@ -296,8 +315,8 @@ def test_a_change_that_keeps_size_and_modification_time_is_seen(tmp_path, corpus
     assert file_bytes(out) == file_bytes(tmp_path / "fresh") != whole
 
 
-def test_an_input_changed_while_it_is_read_is_one_line(tmp_path, corpus, capsys):
-    paths, _ = corpus
+def test_an_input_changed_while_it_is_read_is_one_line(tmp_path, inputs, capsys):
+    paths = inputs
     inputs = text_to_shards.local_inputs(paths, tmp_path / "out")
     with open(paths[1], "a") as f:
         f.write('{"text": "late"}\n')
@@ -352,11 +371,12 @@ def test_a_lock_held_by_what_a_dead_run_left_says_what_to_stop(tmp_path, capsys)
     out = tmp_path / "out"
     out.mkdir()
     # a process holding the folder's lock whose recorded owner is a run that has ended
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; "
+    # (-S: no site-packages, a quicker start)
+    holder = subprocess.Popen([sys.executable, "-S", "-c", "import fcntl, os, sys, time; "
                                "fcntl.flock(os.open(sys.argv[1], os.O_RDONLY), fcntl.LOCK_EX); "
                                "print('held', flush=True); time.sleep(60)", str(out)],
                               stdout=subprocess.PIPE, text=True)
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+    ended = subprocess.run([sys.executable, "-S", "-c", "import os; print(os.getpid())"],
                            capture_output=True, text=True, check=True)
     try:
         assert holder.stdout.readline() == "held\n"
