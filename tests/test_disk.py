@@ -21,6 +21,8 @@ from two_rank_worker import two_rank_launch
 import train_gpt
 
 HOST = socket.gethostname()
+# steps of one 128-token sequence, validated on one: the runs here are about files, not the maths
+ONE_MICRO_BATCH = ["--batch_size", "128", "--val_tokens", "128"]
 
 
 def dead_pid():
@@ -67,8 +69,9 @@ def run_among_user_files(markov_shards, tmp_path_factory):
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train_gpt.uuid, "uuid4", lambda: run_id)
+        # one 128-token micro-batch a step: what is written is what counts
         code = train_gpt.main(tiny(markov_shards, log_dir, "--num_iterations", "3",
-                                   "--val_loss_every", "0",
+                                   "--val_loss_every", "0", *ONE_MICRO_BATCH,
                                    "--checkpoint_every", "1", "--compile_cache", str(cache)))
     torch.set_num_threads(threads)
     assert code == 0
@@ -138,7 +141,7 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_
     at_step(monkeypatch, {3: lambda: fill(small_filesystem, 256 * 1024),
                           4: lambda: signal.raise_signal(signal.SIGTERM)})
     code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "1",
-                               "--val_loss_every", "0"))
+                               "--val_loss_every", "0", *ONE_MICRO_BATCH))
     assert code == 128 + signal.SIGTERM
     log = finished_log(log_dir)
     folder = log_dir / log.stem
@@ -199,7 +202,7 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoi
     at_step(monkeypatch, {2: lambda: os.dup2(full, log_fd(tmp_path))})
     try:
         code = train_gpt.main(tiny(markov_shards, tmp_path, "--checkpoint_every", "2",
-                                   "--val_loss_every", "0"))
+                                   "--val_loss_every", "0", *ONE_MICRO_BATCH))
     finally:
         os.close(full)
     err = capsys.readouterr().err

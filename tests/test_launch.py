@@ -436,6 +436,7 @@ def test_a_console_that_goes_away_does_not_end_the_run(markov_shards, tmp_path, 
     console = os.fdopen(write_end, "w")
     monkeypatch.setattr(sys, "stdout", console)
     args = [*TINY_RUN, "--train_files", markov_shards[0], "--val_files", markov_shards[1],
+            "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
             "--log_dir", str(tmp_path)]
     try:
         code = train_gpt.main(args)

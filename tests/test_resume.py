@@ -23,6 +23,8 @@ import train_gpt
 
 # real runs of the trainer, every test
 pytestmark = pytest.mark.slow
+# steps of one 128-token sequence, validated on one: for the runs that are compared to no other
+ONE_MICRO_BATCH = ["--batch_size", "128", "--val_tokens", "128"]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def test_sigint_without_checkpoint_options_says_how_to_get_one(
 ):
     stop_at(monkeypatch, 1, signal.SIGINT)
     assert (
-        train_gpt.main(tiny(markov_shards, tmp_path, "--val_loss_every", "0"))
+        train_gpt.main(tiny(markov_shards, tmp_path, "--val_loss_every", "0", *ONE_MICRO_BATCH))
         == 128 + signal.SIGINT
     )
     stop_line = (
@@ -113,7 +115,8 @@ def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(
         stop_at(monkeypatch, 1, signal.SIGHUP)
         log_dir = tmp_path / "Bob's runs"
         code = train_gpt.main(
-            tiny(markov_shards, log_dir, "--checkpoint_every", "4", "--val_loss_every", "0")
+            tiny(markov_shards, log_dir, "--checkpoint_every", "4", "--val_loss_every", "0",
+                 *ONE_MICRO_BATCH)
         )
     finally:
         restored = signal.signal(signal.SIGHUP, previous)
@@ -134,7 +137,8 @@ def test_under_nohup_a_hang_up_does_not_stop_the_run(
     try:
         stop_at(monkeypatch, 1, signal.SIGHUP)
         code = train_gpt.main(
-            tiny(markov_shards, tmp_path, "--num_iterations", "2", "--val_loss_every", "0")
+            tiny(markov_shards, tmp_path, "--num_iterations", "2", "--val_loss_every", "0",
+                 *ONE_MICRO_BATCH)
         )
     finally:
         signal.signal(signal.SIGHUP, previous)
