@@ -428,6 +428,7 @@ def test_a_rank_killed_mid_run_leaves_one_line_on_the_survivor_and_names_the_dea
 
 # a console that goes away -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_console_that_goes_away_does_not_end_the_run(markov_shards, tmp_path, monkeypatch):
     """The trainer, in this process as `python train_gpt.py` runs it, its stdout a pipe whose reader
     is gone (a closed terminal, `| head` that has ended): the run and its log go on to the end."""
