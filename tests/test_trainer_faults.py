@@ -116,8 +116,14 @@ def at_step(monkeypatch, actions):
     monkeypatch.setattr(train_gpt.CleanStop, "agreed", with_action)
 
 
+# in this process: steps of one 128-token micro-batch, 300-token shards holding 2 (shard 2 opens at
+# step 2, as in tiny_run's 2-process launch)
+ONE_MICRO_BATCH = ["--batch_size", "128", "--val_tokens", "128"]
+SMALL_SHARDS = (300, 300)
+
+
 def replace_with_shorter(path):
-    train_gpt.write_data_shard(f"{path}.new", train_gpt.markov_stream(400, seed=9))
+    train_gpt.write_data_shard(f"{path}.new", train_gpt.markov_stream(200, seed=9))
     os.replace(f"{path}.new", path)
 
 
@@ -140,11 +146,12 @@ MID_RUN_FAULTS = {
 def test_a_shard_that_changes_mid_run_stops_it_naming_the_file(fault, tmp_path, capsys,
                                                               monkeypatch):
     """Shard 2 changes at step 1; the loader opens it at step 2: the run ends there, one line."""
-    train, val = shards(tmp_path / "data")
+    train, val = shards(tmp_path / "data", SMALL_SHARDS)
     shard = tmp_path / "data" / "t_000002.bin"
     change, says = MID_RUN_FAULTS[fault]
     at_step(monkeypatch, {1: lambda: change(shard)})
-    line = one_line_error(capsys, train_gpt.main(tiny_run(train, val, tmp_path / "logs")))
+    options = tiny_run(train, val, tmp_path / "logs", *ONE_MICRO_BATCH)
+    line = one_line_error(capsys, train_gpt.main(options))
     assert line.startswith(f"error: {shard}: {says}"), line
     log = finished_log(tmp_path / "logs").read_text().splitlines()
     assert log[-1] == line and "step:1/6 train_loss:" in "\n".join(log)
@@ -155,19 +162,20 @@ def test_a_shard_that_changes_mid_run_stops_it_naming_the_file(fault, tmp_path, 
 @pytest.mark.slow
 def test_a_shard_replaced_mid_run_keeps_a_checkpoint_that_resumes_once_it_is_back(tmp_path, capsys,
                                                                                   monkeypatch):
-    train, val = shards(tmp_path / "data")
+    train, val = shards(tmp_path / "data", SMALL_SHARDS)
     shard = tmp_path / "data" / "t_000002.bin"
     original = shard.read_bytes()
     at_step(monkeypatch, {1: lambda: replace_with_shorter(shard)})
     # 3 steps: the shard opens at step 2, the resume trains step 2 and validates at 3
     options = tiny_run(train, val, tmp_path / "logs", "--save_checkpoint", "true",
-                       "--num_iterations", "3")
+                       "--num_iterations", "3", *ONE_MICRO_BATCH)
     line = one_line_error(capsys, train_gpt.main(options))
+    assert "changed since the run started (300 tokens then, 200 now): restore it" in line
     log = finished_log(tmp_path / "logs")
     checkpoint = tmp_path / "logs" / log.stem / "state_step000002.pt"
     assert line.endswith(f"restore it, then: python train_gpt.py --resume {checkpoint}"), line
     assert log.read_text().splitlines()[-1] == line
-    assert torch.load(checkpoint, weights_only=False)["loader"] == (0, 512)
+    assert torch.load(checkpoint, weights_only=False)["loader"] == (0, 256)
     # the shard back as it was: the resume reads it and finishes
     shard.write_bytes(original)
     monkeypatch.undo()

@@ -83,14 +83,24 @@ def reference_run(markov_shards, tmp_path_factory):
 
 def two_rank_launch(request):
     """The starter of the `background` marks of the tests that read the launch: the reference run
-    (whose checkpoint the last scenario resumes), then the launch, queued."""
+    (whose checkpoint the last scenario resumes), then the launch, queued once. A reference that
+    fails fails the launch's tests, not the session."""
     from helpers import BACKGROUND
     from helpers import run_process
     from helpers import tiny
     from helpers import worker_env
+    if "two_rank_launch" in BACKGROUND.futures:
+        return BACKGROUND.futures["two_rank_launch"]
     markov_shards = request.getfixturevalue("markov_shards")
     factory = request.getfixturevalue("tmp_path_factory")
-    _, checkpoints = reference_run(markov_shards, factory)
+    try:
+        _, checkpoints = reference_run(markov_shards, factory)
+    except Exception as error:
+        failure = error
+
+        def fail():
+            raise AssertionError("the reference run, resumed by the launch, failed") from failure
+        return BACKGROUND.once("two_rank_launch", fail)
     folder = factory.mktemp("two_rank_launch")
     train, val = shards(folder / "data")
     argv = {
