@@ -40,8 +40,10 @@ def test_a_train_shard_smaller_than_one_batch_fails_before_step_one(tmp_path, ca
 @pytest.mark.slow
 def test_a_run_that_would_repeat_train_tokens_fails_unless_allowed(tmp_path, capsys,
                                                                    markov_shards):
+    # the model's size is not what counts: 6 blocks of width 16, one 128-token validation
     run = ["--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128",
-           "--max_device_batch_size", "128"]
+           "--max_device_batch_size", "128", "--num_layers", "6", "--model_dim", "16",
+           "--num_heads", "1", "--val_tokens", "128"]
     exact = tmp_path / "exact"
     exact.mkdir()
     code, _ = smoke_on(exact, markov_shards, *run, train=stream_shards(exact, [2 * 128 + 2]))

@@ -11,16 +11,18 @@ import uuid
 
 import pytest
 import torch
-from helpers import BACKGROUND
-from helpers import REPO
 from helpers import finished_log
-from helpers import run_process
 from helpers import tiny
-from helpers import worker_env
+from two_rank_worker import scenario
+from two_rank_worker import shards
+from two_rank_worker import tiny_run
+from two_rank_worker import two_rank_launch
 
 import train_gpt
 
 HOST = socket.gethostname()
+# steps of one 128-token sequence, validated on one: the runs here are about files, not the maths
+ONE_MICRO_BATCH = ["--batch_size", "128", "--val_tokens", "128"]
 
 
 def dead_pid():
@@ -67,8 +69,9 @@ def run_among_user_files(markov_shards, tmp_path_factory):
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train_gpt.uuid, "uuid4", lambda: run_id)
+        # one 128-token micro-batch a step: what is written is what counts
         code = train_gpt.main(tiny(markov_shards, log_dir, "--num_iterations", "3",
-                                   "--val_loss_every", "0",
+                                   "--val_loss_every", "0", *ONE_MICRO_BATCH,
                                    "--checkpoint_every", "1", "--compile_cache", str(cache)))
     torch.set_num_threads(threads)
     assert code == 0
@@ -138,7 +141,7 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_
     at_step(monkeypatch, {3: lambda: fill(small_filesystem, 256 * 1024),
                           4: lambda: signal.raise_signal(signal.SIGTERM)})
     code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "1",
-                               "--val_loss_every", "0"))
+                               "--val_loss_every", "0", *ONE_MICRO_BATCH))
     assert code == 128 + signal.SIGTERM
     log = finished_log(log_dir)
     folder = log_dir / log.stem
@@ -164,6 +167,23 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_
     torch.load(folder / "state_step000002.pt")  # whole
 
 
+@pytest.mark.slow
+def test_a_final_checkpoint_the_disk_has_no_room_for_exits_1(small_filesystem, tmp_path, capsys,
+                                                           monkeypatch):
+    """2 steps (the run's end is what counts); the disk fills before the final checkpoint."""
+    train, val = shards(tmp_path / "data")
+    log_dir = small_filesystem / "logs"
+    at_step(monkeypatch, {2: lambda: fill(small_filesystem, 256 * 1024)})
+    options = tiny_run(train, val, log_dir, "--save_checkpoint", "true", "--num_iterations", "2")
+    code = train_gpt.main(options)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and "Traceback" not in "\n".join(err)
+    full = "(No space left on device"
+    assert err[0].startswith(f"warning: the checkpoint of step 2 could not be written {full}")
+    assert err[-1].startswith(f"error: the final checkpoint could not be written {full})")
+    assert not list(log_dir.glob("*/*.pt"))
+
+
 def log_fd(log_dir):
     """The descriptor this process has open on the log in log_dir."""
     for fd in os.listdir("/proc/self/fd"):
@@ -182,7 +202,7 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoi
     at_step(monkeypatch, {2: lambda: os.dup2(full, log_fd(tmp_path))})
     try:
         code = train_gpt.main(tiny(markov_shards, tmp_path, "--checkpoint_every", "2",
-                                   "--val_loss_every", "0"))
+                                   "--val_loss_every", "0", *ONE_MICRO_BATCH))
     finally:
         os.close(full)
     err = capsys.readouterr().err
@@ -211,36 +231,23 @@ def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards,
                    "free some space or pick another --log_dir\n")
 
 
-def run_with_a_failing_log(tmp_path_factory, markov_shards):
-    """tests/log_full_worker.py under torchrun: rank 0's log fails from step 2 on; a checkpoint
-    every 2 steps."""
-    log_dir = tmp_path_factory.mktemp("log_full")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "log_full_worker.py"), "2",
-           *tiny(markov_shards, log_dir, "--val_loss_every", "0", "--checkpoint_every", "2")]
-    return log_dir, run_process(cmd, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
-
-
-def log_full_on_two_processes(request):
-    factory = request.getfixturevalue("tmp_path_factory")
-    shards = request.getfixturevalue("markov_shards")
-    return BACKGROUND.once("log_full", run_with_a_failing_log, factory, shards)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
-@pytest.mark.background.with_args(log_full_on_two_processes)
+@pytest.mark.background.with_args(two_rank_launch)
 def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(request):
-    """Rank 1 learns it with the stop flag, as of a signal: both stop after step 4, whose checkpoint
-    (a collective: rank 1 sends its Muon momenta) is written."""
-    log_dir, result = log_full_on_two_processes(request).result()
-    log = finished_log(log_dir)
-    checkpoint = log_dir / log.stem / "state_step000004.pt"
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    """Rank 0's log fails from step 2 on, on 2 processes under torchrun (a scenario of
+    tests/two_rank_worker.py's launch), a checkpoint every 2 steps. Rank 1 learns it with the stop
+    flag, as of a signal: both stop after step 4, whose checkpoint (a collective: rank 1 sends its
+    Muon momenta) is written."""
+    log_full = scenario(request, "log_full")
+    log = finished_log(log_full.log_dir)
+    checkpoint = log_full.log_dir / log.stem / "state_step000004.pt"
+    stderr = "".join(log_full.stderr)
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     no_space = f"error: cannot write to the log {log} (No space left on device)"
     assert errors == [f"{no_space}: stopped after step 4; "
                       "resume with: torchrun --standalone --nproc_per_node=2 train_gpt.py --resume "
-                      f"{checkpoint}"], result.stderr[-3000:]
-    # no worker's traceback
-    assert result.returncode != 0 and 'train_gpt.py", line' not in result.stderr
+                      f"{checkpoint}"], stderr[-3000:]
+    # each process's main() ends with exit code 1 (torchrun's, then), without a worker's traceback
+    assert log_full.codes == [1, 1] and 'train_gpt.py", line' not in stderr
     assert torch.load(checkpoint)["step"] == 4

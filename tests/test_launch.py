@@ -1,7 +1,7 @@
 """How a run is launched, and how it ends beyond one process: torchrun's variables left in a shell,
 run.sh (with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`, on PATH), a rank
-that fails among several, the command printed to resume, a console that goes away, and nvidia-smi in
-the log."""
+that fails among several, an option error whose rank torchrun ends, a rank killed mid-run, the
+command printed to resume, a console that goes away, and nvidia-smi in the log."""
 import os
 import shlex
 import shutil
@@ -56,35 +56,27 @@ def free_port():
         return s.getsockname()[1]
 
 
-def world_of_two_without_torchrun(request):
-    """On the background queue: rank 0 of 2 started by hand, without torchrun; gives its wall time
-    and the finished process."""
-    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("world_of_two")
-    env = launch_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port()))
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    # options that suit two processes: without the check, rank 0 would wait gloo's 30 minutes for
-    # rank 1
+def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for_the_second(
+        tmp_path, capsys, monkeypatch):
+    """Rank 0 of 2 started by hand, without torchrun, in this process as `python train_gpt.py` runs
+    it: refused before its process group would wait gloo's 30 minutes for rank 1 (a process group
+    started fails the test at once)."""
+    launched = dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(train_gpt, "start_process_group",
+                        lambda device: pytest.fail("it waits for rank 1"))
+    # options that suit two processes
     two_processes = ["--preset", "smoke", "--batch_size", "256", "--max_device_batch_size", "128",
                      "--val_tokens", "256", "--log_dir", str(tmp_path)]
-    command = [sys.executable, str(REPO / "train_gpt.py"), *two_processes]
-
-    def run():
-        started_at = time.monotonic()
-        result = run_process(command, 120, cwd=REPO, env=env)
-        return time.monotonic() - started_at, env["MASTER_PORT"], result
-    return BACKGROUND.once("world_of_two_without_torchrun", run)
-
-
-@pytest.mark.slow
-@pytest.mark.background.with_args(world_of_two_without_torchrun)
-def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for_the_second(
-        request):
-    seconds, port, result = world_of_two_without_torchrun(request).result()
-    assert seconds < 60
-    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
-    settings = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
-    assert result.stderr.startswith(f"error: {settings} set in the environment")
+    started_at = time.monotonic()
+    code = train_gpt.main(two_processes)
+    assert time.monotonic() - started_at < 60
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    settings = " ".join(f"{name}={value}" for name, value in launched.items())
+    assert err.startswith(f"error: {settings} set in the environment")
 
 
 # the first rank of each node, and only it, says that a checkpoint is missing: on several nodes only
@@ -184,9 +176,17 @@ def run_sh_env(bin_folder, gpus, **extra):
     return env
 
 
+# stands in for the trainer where run.sh hands the run over to it: its options, and exit code 1
+TRAINER = """import sys
+print("the trainer, given:", *sys.argv[1:], file=sys.stderr)
+sys.exit(1)
+"""
+
+
 @needs_no_gpu
 @pytest.mark.parametrize("nvidia_smi,visible,says", [
-    # GPUs this torch cannot use: the trainer's line names them and the fix
+    # GPUs this torch cannot use: run.sh hands over to the trainer, whose line names them and the
+    # fix (test_gpus_this_torch_cannot_use_are_named_with_the_fix, below)
     (NVIDIA_SMI, None, "trainer"),
     ("import sys; sys.exit(9)", None, "run.sh"),  # nvidia-smi does not answer: no GPU
     (NVIDIA_SMI, "", "run.sh"),  # CUDA_VISIBLE_DEVICES="": the GPUs are hidden on purpose
@@ -194,8 +194,9 @@ def run_sh_env(bin_folder, gpus, **extra):
 @pytest.mark.slow
 def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visible, says, tmp_path):
     stand_in(tmp_path / "bin", "nvidia-smi", nvidia_smi)
+    (tmp_path / "trainer.py").write_text(TRAINER)
     # torch sees no GPU
-    env = run_sh_env(tmp_path / "bin", 0)
+    env = run_sh_env(tmp_path / "bin", 0, RUN_SH_SCRIPT=shlex.quote(str(tmp_path / "trainer.py")))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
@@ -204,15 +205,28 @@ def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visib
     lines = result.stderr.splitlines()
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     if says == "trainer":
-        this_torch = f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only)"
-        listed = "the 2 x NVIDIA H100 80GB HBM3 nvidia-smi lists"
-        assert lines[-1].startswith(f"error: {this_torch} cannot use {listed}")
-        assert "no CUDA GPU visible" not in result.stderr
+        # the trainer's own exit code, and its options
+        assert lines == [f"the trainer, given: --log_dir {tmp_path / 'logs'}"]
     else:
         no_gpu = "run.sh: no CUDA GPU visible. For a CPU smoke run (under a minute), see README.md:"
         assert lines[-2:] == [no_gpu,
                               "  python train_gpt.py --preset smoke"]
     assert not (tmp_path / "logs").exists()
+
+
+@needs_no_gpu
+def test_gpus_this_torch_cannot_use_are_named_with_the_fix(tmp_path, capsys, monkeypatch):
+    """The trainer, run as run.sh runs it where nvidia-smi (a stand-in on PATH) lists GPUs that
+    this torch does not see: one line naming them and the fix, before anything is written."""
+    stand_in(tmp_path / "bin", "nvidia-smi", NVIDIA_SMI)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tmp_path / "bin"), os.environ["PATH"]]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert train_gpt.main(["--log_dir", str(tmp_path / "logs")]) == 1
+    err = capsys.readouterr().err
+    this_torch = f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only)"
+    listed = "the 2 x NVIDIA H100 80GB HBM3 nvidia-smi lists"
+    assert err.startswith(f"error: {this_torch} cannot use {listed}") and err.count("\n") == 1
+    assert "Traceback" not in err and not (tmp_path / "logs").exists()
 
 
 def failing_rank_under_run_sh(request):
@@ -312,8 +326,109 @@ def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(reque
     assert err.splitlines()[-1] == "stopped by SIGTERM" and "Traceback" not in err
 
 
+# rank 0 writes its error line first, then lingers: torchrun, as rank 1 exits first, ends it with
+# SIGTERM
+LINGERING_RANK_ZERO = """import os, sys, time
+import train_gpt
+tell_launcher = train_gpt.tell_launcher
+def tell_then_linger(line, code=1):
+    if os.environ["RANK"] == "1":
+        time.sleep(2)
+    tell_launcher(line, code)
+    if os.environ["RANK"] == "0":
+        time.sleep(30)
+train_gpt.tell_launcher = tell_then_linger
+sys.exit(train_gpt.main())
+"""
+
+
+def option_error_under_run_sh(request):
+    """On the background queue: run.sh on two stand-in GPUs, its workers LINGERING_RANK_ZERO, with
+    options that 2 processes refuse. Gives the finished process."""
+    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("option_error")
+
+    def run():
+        worker = tmp_path / "worker.py"
+        worker.write_text(LINGERING_RANK_ZERO)
+        env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(worker)),
+                         PYTHONPATH=worker_env()["PYTHONPATH"])
+        # 2 processes x 128 tokens do not divide 128 val tokens: an error once the count is known
+        options = ["--preset", "smoke", "--val_tokens", "128", "--max_device_batch_size", "128",
+                   "--batch_size", "256", "--log_dir", str(tmp_path / "logs")]
+        return run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
+    return BACKGROUND.once("option_error_under_run_sh", run)
+
+
+@pytest.mark.slow
+@needs_no_gpu
+@pytest.mark.background.with_args(option_error_under_run_sh)
+def test_an_option_error_under_run_sh_exits_1_even_when_torchrun_ends_a_rank_with_sigterm(request):
+    result = option_error_under_run_sh(request).result()
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == ("error: --val_tokens 128 must be a multiple of "
+                                              "processes x --max_device_batch_size = 256")
+
+
+STOPPED_ANSWERING = "error: another process of the run stopped answering"
+
+
+def worker_of_rank(parent, rank):
+    """The process id of the torchrun worker of this rank among parent's children."""
+    children = subprocess.run(["ps", "--ppid", str(parent), "-o", "pid="], capture_output=True,
+                              text=True).stdout.split()
+    for pid in children:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return int(pid)
+    raise AssertionError(f"no worker of rank {rank} among {children}")
+
+
+def rank_killed_under_run_sh(request):
+    """On the background queue: run.sh on two stand-in GPUs (gloo on the CPU), rank 1 killed with
+    SIGKILL (the OOM killer, a lost node) once step 2 is logged. Gives the log folder, the seconds
+    from the kill to the end, and the finished process."""
+    shards = request.getfixturevalue("markov_shards")
+    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("rank_death")
+
+    def run():
+        env = run_sh_env(tmp_path / "bin", 2)
+        options = tiny(shards, tmp_path / "logs", "--num_iterations", "500", "--val_loss_every",
+                       "0", "--allow_data_repeat", "true")
+        # a session of its own: whatever is left is killed at the end
+        with started(["bash", str(REPO / "run.sh"), *options], env=env, cwd=REPO,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            for line in proc.stdout:
+                if line.startswith("step:2/500 train_loss:"):
+                    break
+            os.kill(worker_of_rank(proc.pid, 1), signal.SIGKILL)
+            killed = time.monotonic()
+            out, err = proc.communicate(timeout=240)
+        return tmp_path / "logs", time.monotonic() - killed, proc.returncode, err
+    return BACKGROUND.once("rank_killed_under_run_sh", run)
+
+
+@pytest.mark.slow
+@needs_no_gpu
+@pytest.mark.background.with_args(rank_killed_under_run_sh)
+def test_a_rank_killed_mid_run_leaves_one_line_on_the_survivor_and_names_the_dead_rank(request):
+    """The surviving rank ends with one line saying another process stopped answering, rank 0's
+    log ends with that line (not gloo's message), and run.sh's last line names the dead rank."""
+    log_dir, seconds, returncode, err = rank_killed_under_run_sh(request).result()
+    assert seconds < 120
+    assert returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert "Traceback" not in err and "Connection closed by peer" not in err, err[-3000:]
+    lines = err.strip().splitlines()
+    assert lines[-1] == ("run.sh: rank 1 ended by SIGKILL, without an error line of its own; its "
+                         "output is above")
+    survivor = lines[-2]
+    assert survivor.startswith(f"{STOPPED_ANSWERING} (none left a line: killed, or its node lost")
+    assert finished_log(log_dir).read_text().splitlines()[-1] == survivor
+
+
 # a console that goes away -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_console_that_goes_away_does_not_end_the_run(markov_shards, tmp_path, monkeypatch):
     """The trainer, in this process as `python train_gpt.py` runs it, its stdout a pipe whose reader
     is gone (a closed terminal, `| head` that has ended): the run and its log go on to the end."""
@@ -322,6 +437,7 @@ def test_a_console_that_goes_away_does_not_end_the_run(markov_shards, tmp_path, 
     console = os.fdopen(write_end, "w")
     monkeypatch.setattr(sys, "stdout", console)
     args = [*TINY_RUN, "--train_files", markov_shards[0], "--val_files", markov_shards[1],
+            "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
             "--log_dir", str(tmp_path)]
     try:
         code = train_gpt.main(args)

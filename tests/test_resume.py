@@ -6,24 +6,25 @@ import os
 import re
 import shlex
 import signal
-import sys
 
 import pytest
 import torch
-from helpers import BACKGROUND
 from helpers import REPO
 from helpers import SOURCE
 from helpers import finished_log
-from helpers import run_process
 from helpers import step_lines
 from helpers import tiny
 from helpers import val_losses
-from helpers import worker_env
+from two_rank_worker import reference_run
+from two_rank_worker import scenario
+from two_rank_worker import two_rank_launch
 
 import train_gpt
 
 # real runs of the trainer, every test
 pytestmark = pytest.mark.slow
+# steps of one 128-token sequence, validated on one: for the runs that are compared to no other
+ONE_MICRO_BATCH = ["--batch_size", "128", "--val_tokens", "128"]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_sigint_without_checkpoint_options_says_how_to_get_one(
 ):
     stop_at(monkeypatch, 1, signal.SIGINT)
     assert (
-        train_gpt.main(tiny(markov_shards, tmp_path, "--val_loss_every", "0"))
+        train_gpt.main(tiny(markov_shards, tmp_path, "--val_loss_every", "0", *ONE_MICRO_BATCH))
         == 128 + signal.SIGINT
     )
     stop_line = (
@@ -114,7 +115,8 @@ def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(
         stop_at(monkeypatch, 1, signal.SIGHUP)
         log_dir = tmp_path / "Bob's runs"
         code = train_gpt.main(
-            tiny(markov_shards, log_dir, "--checkpoint_every", "4", "--val_loss_every", "0")
+            tiny(markov_shards, log_dir, "--checkpoint_every", "4", "--val_loss_every", "0",
+                 *ONE_MICRO_BATCH)
         )
     finally:
         restored = signal.signal(signal.SIGHUP, previous)
@@ -135,56 +137,36 @@ def test_under_nohup_a_hang_up_does_not_stop_the_run(
     try:
         stop_at(monkeypatch, 1, signal.SIGHUP)
         code = train_gpt.main(
-            tiny(markov_shards, tmp_path, "--num_iterations", "2", "--val_loss_every", "0")
+            tiny(markov_shards, tmp_path, "--num_iterations", "2", "--val_loss_every", "0",
+                 *ONE_MICRO_BATCH)
         )
     finally:
         signal.signal(signal.SIGHUP, previous)
     assert code == 0 and sorted(val_losses(finished_log(tmp_path))) == [2]
 
 
-def stop_under_torchrun(checkpoint, log_dir):
-    """The checkpoint resumed on 2 processes, which torchrun stops after step 6
-    (tests/stop_worker.py); gives the finished process."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    worker = str(REPO / "tests" / "stop_worker.py")
-    command = [sys.executable, *launcher, worker, "5", "--resume", str(checkpoint),
-               "--log_dir", str(log_dir)]
-    return run_process(command, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
-
-
 @pytest.fixture(scope="session")
 def reference(markov_shards, tmp_path_factory):
-    """The run not interrupted, in this process (on one thread): its val losses, its checkpoints
-    (every 4 steps), and the log folder of its step-4 checkpoint resumed under torchrun, at once, on
-    the background queue. Made once: the test that awaits torchrun runs last."""
-    log_dir = tmp_path_factory.mktemp("reference")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4"))
-    finally:
-        torch.set_num_threads(threads)
-    assert code == 0
-    log = finished_log(log_dir)
-    checkpoints = sorted((log_dir / log.stem).glob("state_step*.pt"))
-    stopped_dir = tmp_path_factory.mktemp("stopped_under_torchrun")
-    BACKGROUND.once("stopped_under_torchrun", stop_under_torchrun, checkpoints[0], stopped_dir)
-    return val_losses(log), checkpoints, stopped_dir
+    """The run not interrupted, in this process (on one thread): its val losses and its checkpoints
+    (every 4 steps). Made once, by the starter of the torchrun launch where it is due."""
+    return reference_run(markov_shards, tmp_path_factory)
 
 
-@pytest.mark.background
+@pytest.mark.background.with_args(two_rank_launch)
 def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_across_process_counts(
-        reference, tmp_path, one_thread):
+        reference, request, tmp_path, one_thread):
     """1 -> 2 -> 1 processes: the reference's step-4 checkpoint resumed on 2 processes, which
-    torchrun stops after step 6, then that checkpoint resumed on 1 process (here) to the end."""
-    expected, checkpoints, log_dir = reference
-    result = BACKGROUND.futures["stopped_under_torchrun"].result()
+    torchrun stops after step 6 (the last scenario of tests/two_rank_worker.py's launch), then that
+    checkpoint resumed on 1 process (here) to the end."""
+    expected, checkpoints = reference
+    stopped_run = scenario(request, "stopped")
+    result = stopped_run.result
     # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers,
     # without one
     assert result.returncode == 1, result.stderr[-3000:]
     assert "SignalException: Process" in result.stderr, result.stderr[-3000:]
     assert 'train_gpt.py", line' not in result.stderr
-    log = finished_log(log_dir)
+    log = finished_log(stopped_run.log_dir)
     stopped = log.parent / log.stem / "state_step000006.pt"
     stop_line = (
         "stopped by SIGTERM after step 6; resume with: torchrun --standalone --nproc_per_node=2 "
@@ -212,7 +194,7 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
 def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, tmp_path):
     """The final checkpoint, as if written by another version of the script: resumed, it only
     validates."""
-    expected, checkpoints, _ = reference
+    expected, checkpoints = reference
     state = torch.load(checkpoints[-1])
     assert (
         state["step"] == 8 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
