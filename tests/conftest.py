@@ -83,14 +83,15 @@ def launch_background_work(request):
     marks = [mark for item in request.session.items if not skipped(item)
              for mark in item.iter_markers("background")]
     starters = [start for mark in marks for start in mark.args]
-    for start in dict.fromkeys(starters):
-        start(request)
+    with BACKGROUND.held():
+        for start in dict.fromkeys(starters):
+            start(request)
     if starters:
         # one core each: two threads here, on a busy core, stall at every parallel op (tens of ms)
         train_gpt.torch.set_num_threads(1)
     yield
     # after a stop (-x, Ctrl-C): no new runs, and what runs is killed
-    BACKGROUND.pool.shutdown(wait=False, cancel_futures=True)
+    BACKGROUND.cancel_waiting()
     kill_every_live_group()
 
 
