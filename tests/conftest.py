@@ -86,9 +86,11 @@ def launch_background_work(request):
     with BACKGROUND.held():
         for start in dict.fromkeys(starters):
             start(request)
-    if starters:
-        # one core each: two threads here, on a busy core, stall at every parallel op (tens of ms)
-        train_gpt.torch.set_num_threads(1)
+    # one thread: beside background work, one core each (two threads here, on a busy core, stall
+    # at every parallel op, tens of ms); and alone, the small ops of these tests spend a second
+    # thread's time spinning (a tiny whole run on the shared 2-core machine: twice the CPU time,
+    # and more wall time, with two)
+    train_gpt.torch.set_num_threads(1)
     yield
     # after a stop (-x, Ctrl-C): no new runs, and what runs is killed
     BACKGROUND.cancel_waiting()

@@ -137,8 +137,7 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
 # Each job's expected wall seconds (one core, the suite running beside it); measured on the 2-core
 # AVX2 EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
 # queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS.
-JOB_SECONDS = {"full_1proc": 40, "short_2proc": 15, "real_smoke_ab": 14, "head_1proc": 12,
-               "short_1proc": 8}
+JOB_SECONDS = {"smoke_1proc": 45, "short_2proc": 15, "real_smoke_ab": 14, "head_1proc": 12}
 DEFAULT_JOB_SECONDS = 10
 
 
@@ -465,28 +464,38 @@ class SmokeRuns:
     def short(self, nproc):
         """The same short run as 1 and as 2 processes (short_options). The 1-process run saves a
         checkpoint at the end and goes through records/profile_run.py, its last step profiled (the
-        profiler does not change the maths); it shares its process, in which `import triton`
-        fails, with the trainer refusing --fused_head_loss true (without_triton)."""
+        profiler does not change the maths); it shares its process (one_process_runs)."""
         if nproc == 2:
             return self.log("short_2proc", 2, *self.short_options())
+        self.one_process_runs()
+        return self.finished("short_1proc")
+
+    def full(self):
+        """The whole smoke preset's training with no data named (its built-in synthetic stream), as
+        `python train_gpt.py --preset smoke` runs; validation on 1 sequence, not 8: evaluations were
+        a third of the run. It shares its process (one_process_runs)."""
+        self.one_process_runs()
+        return self.finished("full_1proc")
+
+    def without_triton(self):
+        """(The refused run's log folder, the finished process) of one_process_runs."""
+        self.one_process_runs()
+        if self.launching:
+            return None
+        return self.runs["refused_without_triton"][0], self.result("smoke_1proc")
+
+    def one_process_runs(self):
+        """Background job smoke_1proc: in one process where `import triton` fails (as on macOS and
+        Windows; a CPU run never needs it), train_gpt.py refusing --fused_head_loss true, then
+        short(1) and full(), none of which needs triton."""
         refused = [*TINY_RUN, "--fused_head_loss", "true"]
         short = ["--steps", "1", "--preset", "smoke", *self.short_options(), "--save_checkpoint",
                  "true"]
-        self.in_one_process("short_1proc", [("refused_without_triton", "train_gpt.py", refused),
-                                            ("short_1proc", PROFILE, short)], without_triton=True)
-        return self.finished("short_1proc")
-
-    def without_triton(self):
-        """short(1)'s process: (the refused run's log folder, the finished process)."""
-        self.short(1)
-        if self.launching:
-            return None
-        return self.runs["refused_without_triton"][0], self.result("short_1proc")
-
-    def full(self):
-        """The whole smoke preset's training with no data named (its built-in synthetic stream);
-        validation on 1 sequence, not 8: evaluations were a third of the run."""
-        return self.log("full_1proc", 1, "--val_tokens", "512")
+        full = ["--preset", "smoke", "--val_tokens", "512"]
+        self.in_one_process("smoke_1proc", [("refused_without_triton", "train_gpt.py", refused),
+                                            ("short_1proc", PROFILE, short),
+                                            ("full_1proc", "train_gpt.py", full)],
+                            without_triton=True)
 
     def head(self, fused):
         """Plain and fused head, one after the other in one process, on 2 steps of one 128-token
