@@ -137,7 +137,8 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
 # Each job's expected wall seconds (one core, the suite running beside it); measured on the 2-core
 # AVX2 EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
 # queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS.
-JOB_SECONDS = {"smoke_1proc": 45, "short_2proc": 15, "real_smoke_ab": 14, "head_1proc": 12}
+JOB_SECONDS = {"smoke_1proc": 45, "short_2proc": 15, "real_smoke_ab": 14, "head_1proc": 12,
+               "compare_script": 3}
 DEFAULT_JOB_SECONDS = 10
 
 
