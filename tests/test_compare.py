@@ -420,7 +420,6 @@ def test_nothing_usable_is_an_error_not_a_traceback(tmp_path, capsys):
     assert code == 1 and "junk.txt: not a log" in err and "Traceback" not in err
 
 
-@pytest.mark.slow
 def compare_script(request):
     """On the background queue: records/compare.py run as a script on a folder of two finished logs
     and an unreadable file; gives the folder and the finished process."""
