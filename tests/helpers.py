@@ -134,11 +134,10 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
     return run_process(command, timeout, env=env, cwd=REPO)
 
 
-# Each job's expected wall seconds (one core, the suite running beside it); measured on the 2-core
-# AVX2 EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
+# Each job's expected seconds (one core, the suite running beside it), from runs on the 2-core AVX2
+# EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
 # queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS.
-JOB_SECONDS = {"smoke_1proc": 45, "short_2proc": 15, "real_smoke_ab": 14, "head_1proc": 12,
-               "compare_script": 3}
+JOB_SECONDS = {"smoke_1proc": 50, "short_2proc": 15, "real_smoke_ab": 14, "compare_script": 3}
 DEFAULT_JOB_SECONDS = 10
 
 
@@ -369,11 +368,14 @@ def smoke_marked(*runs):
 
 # Several runs in one interpreter (each start costs about 3 s of CPU, and the first Adam 2 more for
 # torch._dynamo's import): each script runs as `python SCRIPT ARGS...` would run it, and its exit
-# code is printed. Optionally in a process where `import triton` fails, as on macOS and Windows.
+# code is printed. The runs marked without triton come first, where `import triton` fails (as on
+# macOS and Windows) from the start, torch's import included; then triton is importable again.
 RUNS_IN_ONE_PROCESS = """import runpy, sys
-if {without_triton!r}:
-    sys.modules["triton"] = None
-for script, argv in {runs!r}:
+for script, argv, without_triton in {runs!r}:
+    if without_triton:
+        sys.modules["triton"] = None
+    elif "triton" in sys.modules and sys.modules["triton"] is None:
+        del sys.modules["triton"]
     sys.argv = [script, *argv]
     try:
         runpy.run_path(script, run_name="__main__")
@@ -397,6 +399,8 @@ class SmokeRuns:
         self.stdout = {}
         # run name -> (its log folder, its background job, its place among the job's runs)
         self.runs = {}
+        # job -> the runs it makes in one process: (name, script, argv, without triton)
+        self.plans = {}
         self.results = {}
         self.launching = False
 
@@ -410,20 +414,34 @@ class SmokeRuns:
         return self.finished(name)
 
     def in_one_process(self, key, runs, without_triton=False):
-        """Background job `key`: runs, each (name, script, argv), one after the other in one
-        interpreter (RUNS_IN_ONE_PROCESS), each logging into a folder of its own."""
-        if key in BACKGROUND.futures:
+        """Runs, each (name, script, argv), in background job `key`: one interpreter
+        (RUNS_IN_ONE_PROCESS), each run logging into a folder of its own. While the session's
+        jobs are being queued (held), runs asked for by several tests join one job; the process is
+        put together when the job starts."""
+        new = [run for run in runs if run[0] not in self.runs]
+        if not new:
             return
-        folder = self.tmp.mktemp(key)
-        planned = []
-        for name, script, argv in runs:
-            log_dir = folder / name
-            planned.append((script, [*argv, "--log_dir", str(log_dir)]))
-            self.runs[name] = log_dir, key, len(planned) - 1
-        source = RUNS_IN_ONE_PROCESS.format(without_triton=without_triton, runs=planned)
-        command = [sys.executable, "-c", source]
-        env = launch_env(OMP_NUM_THREADS="1")
-        BACKGROUND.once(key, run_process, command, 600, cwd=REPO, env=env)
+        for name, script, argv in new:
+            self.runs[name] = self.tmp.mktemp(name) / "logs", key, None
+            self.plans.setdefault(key, []).append((name, script, argv, without_triton))
+        BACKGROUND.once(key, self.run_plan, key)
+
+    def run_plan(self, key):
+        """The process of job `key`: its runs without triton first."""
+        plan = sorted(self.plans[key], key=lambda run: not run[3])
+        runs = []
+        for place, (name, script, argv, without_triton) in enumerate(plan):
+            log_dir = self.runs[name][0]
+            self.runs[name] = log_dir, key, place
+            runs.append((script, [*argv, "--log_dir", str(log_dir)], without_triton))
+        command = [sys.executable, "-c", RUNS_IN_ONE_PROCESS.format(runs=runs)]
+        return run_process(command, 600, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"))
+
+    def one_process_job(self):
+        """smoke_1proc while the session's jobs are being queued (runs join it), else a new job."""
+        if BACKGROUND.holding or "smoke_1proc" not in BACKGROUND.futures:
+            return "smoke_1proc"
+        return f"smoke_1proc_{len(self.plans)}"
 
     def result(self, key):
         """The finished process of background job `key`."""
@@ -436,8 +454,9 @@ class SmokeRuns:
         if self.launching:
             return None
         if name not in self.logs:
-            log_dir, key, place = self.runs[name]
-            result = self.result(key)
+            result = self.result(self.runs[name][1])
+            # its place, set when its job started
+            log_dir, _, place = self.runs[name]
             tail = result.stdout[-3000:] + result.stderr[-3000:]
             assert result.returncode == 0, tail
             if place is not None:
@@ -483,29 +502,31 @@ class SmokeRuns:
         self.one_process_runs()
         if self.launching:
             return None
-        return self.runs["refused_without_triton"][0], self.result("smoke_1proc")
+        log_dir, key, _ = self.runs["refused_without_triton"]
+        return log_dir, self.result(key)
 
     def one_process_runs(self):
-        """Background job smoke_1proc: in one process where `import triton` fails (as on macOS and
-        Windows; a CPU run never needs it), train_gpt.py refusing --fused_head_loss true, then
-        short(1) and full(), none of which needs triton."""
+        """In the session's one process (smoke_1proc) while `import triton` fails (as on macOS and
+        Windows; a CPU run never needs it): train_gpt.py refusing --fused_head_loss true, then
+        short(1) and full()."""
         refused = [*TINY_RUN, "--fused_head_loss", "true"]
         short = ["--steps", "1", "--preset", "smoke", *self.short_options(), "--save_checkpoint",
                  "true"]
         full = ["--preset", "smoke", "--val_tokens", "512"]
-        self.in_one_process("smoke_1proc", [("refused_without_triton", "train_gpt.py", refused),
-                                            ("short_1proc", PROFILE, short),
-                                            ("full_1proc", "train_gpt.py", full)],
+        self.in_one_process(self.one_process_job(),
+                            [("refused_without_triton", "train_gpt.py", refused),
+                             ("short_1proc", PROFILE, short), ("full_1proc", "train_gpt.py", full)],
                             without_triton=True)
 
     def head(self, fused):
-        """Plain and fused head, one after the other in one process, on 2 steps of one 128-token
-        sequence through tiny()'s model: the interpreted kernel costs about 10 ms a row of 50,304
-        logits, whatever the width."""
+        """Plain and fused head, one after the other in the session's one process (smoke_1proc,
+        after the runs without triton), on 2 steps of one 128-token sequence through tiny()'s
+        model: the interpreted kernel costs about 10 ms a row of 50,304 logits, whatever the
+        width."""
         common = ["--preset", "smoke", "--train_files", self.train, "--val_files", self.val,
                   *TINY_MODEL, "--num_iterations", "2", "--val_loss_every", "2", "--batch_size",
                   "128", "--max_device_batch_size", "128", "--val_tokens", "128"]
-        self.in_one_process("head_1proc", [
+        self.in_one_process(self.one_process_job(), [
             ("head_plain_1proc", "train_gpt.py", [*common, "--fused_head_loss", "false"]),
             ("head_fused_1proc", "train_gpt.py", [*common, "--fused_head_loss", "true"])])
         return self.finished(f"head_{'fused' if fused else 'plain'}_1proc")

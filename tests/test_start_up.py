@@ -32,7 +32,8 @@ def test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss(
     refused, result = smoke_runs.without_triton()
     out = result.stdout
     tail = out[-3000:] + result.stderr[-3000:]
-    assert re.findall(r"^exit code (\S+)$", out, re.M) == ["1", "0", "0"], tail
+    # the runs without triton come first in that process (the plain and fused head may follow)
+    assert re.findall(r"^exit code (\S+)$", out, re.M)[:3] == ["1", "0", "0"], tail
     # refused before any step
     assert out.index("exit code 1") < out.index("step:")
     # it trained: below the step-0 loss
