@@ -151,7 +151,8 @@ class Background:
         self.futures = {}
         self.seconds = {}
         self.cpu_seconds = {}
-        # (started later, minus its expected seconds, its number, key, fn, args, kwargs, future)
+        # (queued after the start, minus its expected seconds, its number, key, fn, args, kwargs,
+        # future)
         self.queue = []
         self.ready = threading.Condition()
         self.holding = False
