@@ -83,14 +83,17 @@ def launch_background_work(request):
     marks = [mark for item in request.session.items if not skipped(item)
              for mark in item.iter_markers("background")]
     starters = [start for mark in marks for start in mark.args]
-    for start in dict.fromkeys(starters):
-        start(request)
-    if starters:
-        # one core each: two threads here, on a busy core, stall at every parallel op (tens of ms)
-        train_gpt.torch.set_num_threads(1)
+    with BACKGROUND.held():
+        for start in dict.fromkeys(starters):
+            start(request)
+    # one thread: beside background work, one core each (two threads here, on a busy core, stall
+    # at every parallel op, tens of ms); and alone, the small ops of these tests spend a second
+    # thread's time spinning (a tiny whole run on the shared 2-core machine: twice the CPU time,
+    # and more wall time, with two)
+    train_gpt.torch.set_num_threads(1)
     yield
     # after a stop (-x, Ctrl-C): no new runs, and what runs is killed
-    BACKGROUND.pool.shutdown(wait=False, cancel_futures=True)
+    BACKGROUND.cancel_waiting()
     kill_every_live_group()
 
 

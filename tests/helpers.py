@@ -5,6 +5,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import ctypes
+import heapq
 import importlib.util
 import math
 import os
@@ -133,21 +134,73 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
     return run_process(command, timeout, env=env, cwd=REPO)
 
 
+# Each job's expected seconds (one core, the suite running beside it), from runs on the 2-core AVX2
+# EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
+# queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS.
+JOB_SECONDS = {"smoke_1proc": 50, "short_2proc": 15, "real_smoke_ab": 14, "compare_script": 3}
+DEFAULT_JOB_SECONDS = 10
+
+
 class Background:
     """Subprocess work run once, one job at a time in a thread, so that it overlaps the in-process
-    tests (which use the other core); keyed by name. Each job's wall time is kept for the report at
-    the end of the session."""
+    tests (which use the other core); keyed by name. The jobs queued while `held()` (the session's
+    start) begin longest first (JOB_SECONDS), later ones in the order they come. Each job's wall
+    and CPU times are kept for the report at the end of the session."""
 
     def __init__(self):
-        self.pool = concurrent.futures.ThreadPoolExecutor(1)
         self.futures = {}
         self.seconds = {}
         self.cpu_seconds = {}
+        # (queued after the start, minus its expected seconds, its number, key, fn, args, kwargs,
+        # future)
+        self.queue = []
+        self.ready = threading.Condition()
+        self.holding = False
+        threading.Thread(target=self.work, name="background", daemon=True).start()
 
     def once(self, key, fn, *args, **kwargs):
-        if key not in self.futures:
-            self.futures[key] = self.pool.submit(self.timed, key, fn, *args, **kwargs)
-        return self.futures[key]
+        with self.ready:
+            if key not in self.futures:
+                future = concurrent.futures.Future()
+                self.futures[key] = future
+                expected = JOB_SECONDS.get(key, DEFAULT_JOB_SECONDS) if self.holding else 0
+                job = (not self.holding, -expected, len(self.futures), key, fn, args, kwargs,
+                       future)
+                heapq.heappush(self.queue, job)
+                self.ready.notify()
+            return self.futures[key]
+
+    @contextlib.contextmanager
+    def held(self):
+        """Jobs queued in the block start when it ends, longest first."""
+        with self.ready:
+            self.holding = True
+        try:
+            yield
+        finally:
+            with self.ready:
+                self.holding = False
+                self.ready.notify()
+
+    def work(self):
+        while True:
+            with self.ready:
+                while self.holding or not self.queue:
+                    self.ready.wait()
+                *_, key, fn, args, kwargs, future = heapq.heappop(self.queue)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self.timed(key, fn, *args, **kwargs))
+            except BaseException as error:
+                future.set_exception(error)
+
+    def cancel_waiting(self):
+        """No new runs (after -x, Ctrl-C): the jobs not started are cancelled."""
+        with self.ready:
+            for *_, future in self.queue:
+                future.cancel()
+            self.queue.clear()
 
     def timed(self, key, fn, *args, **kwargs):
         started_at = time.perf_counter()
@@ -314,29 +367,102 @@ def smoke_marked(*runs):
     return pytest.mark.background.with_args(start)
 
 
+# Several runs in one interpreter (each start costs about 3 s of CPU, and the first Adam 2 more for
+# torch._dynamo's import): each script runs as `python SCRIPT ARGS...` would run it, and its exit
+# code is printed. The runs marked without triton come first, where `import triton` fails (as on
+# macOS and Windows) from the start, torch's import included; then triton is importable again.
+RUNS_IN_ONE_PROCESS = """import runpy, sys
+for script, argv, without_triton in {runs!r}:
+    if without_triton:
+        sys.modules["triton"] = None
+    elif "triton" in sys.modules and sys.modules["triton"] is None:
+        del sys.modules["triton"]
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        print("exit code", stop.code, flush=True)
+"""
+
+EXIT_CODES = re.compile(r"^exit code (\S+)$", re.M)
+# the smoke preset at the size of tiny(): 6 blocks of width 16, one head
+TINY_MODEL = ["--num_layers", "6", "--model_dim", "16", "--num_heads", "1"]
+
+
 class SmokeRuns:
-    """Smoke-preset runs on the Markov shards, made once per session and shared by the tests."""
+    """Smoke-preset runs on the Markov shards, made once per session and shared by the tests. A
+    background job is one process (or one torchrun launch); some jobs make several runs."""
 
     def __init__(self, shards, tmp_path_factory):
         self.train, self.val, _ = shards
         self.tmp = tmp_path_factory
         self.logs = {}
         self.stdout = {}
+        # run name -> (its log folder, its background job, its place among the job's runs)
         self.runs = {}
+        # job -> the runs it makes in one process: (name, script, argv, without triton)
+        self.plans = {}
+        self.results = {}
         self.launching = False
 
     def log(self, name, nproc, *extra, script="train_gpt.py"):
+        """A run of its own: one process, or a torchrun launch of nproc; its log once finished."""
         if name not in self.runs:
             log_dir = self.tmp.mktemp(name)
             args = ["--preset", "smoke", "--log_dir", str(log_dir), *extra]
-            run = BACKGROUND.once(name, run_trainer, args, nproc, threads=1, script=script)
-            self.runs[name] = log_dir, run
+            BACKGROUND.once(name, run_trainer, args, nproc, threads=1, script=script)
+            self.runs[name] = log_dir, name, None
+        return self.finished(name)
+
+    def in_one_process(self, key, runs, without_triton=False):
+        """Runs, each (name, script, argv), in background job `key`: one interpreter
+        (RUNS_IN_ONE_PROCESS), each run logging into a folder of its own. While the session's
+        jobs are being queued (held), runs asked for by several tests join one job; the process is
+        put together when the job starts."""
+        new = [run for run in runs if run[0] not in self.runs]
+        if not new:
+            return
+        for name, script, argv in new:
+            self.runs[name] = self.tmp.mktemp(name) / "logs", key, None
+            self.plans.setdefault(key, []).append((name, script, argv, without_triton))
+        BACKGROUND.once(key, self.run_plan, key)
+
+    def run_plan(self, key):
+        """The process of job `key`: its runs without triton first."""
+        plan = sorted(self.plans[key], key=lambda run: not run[3])
+        runs = []
+        for place, (name, script, argv, without_triton) in enumerate(plan):
+            log_dir = self.runs[name][0]
+            self.runs[name] = log_dir, key, place
+            runs.append((script, [*argv, "--log_dir", str(log_dir)], without_triton))
+        command = [sys.executable, "-c", RUNS_IN_ONE_PROCESS.format(runs=runs)]
+        return run_process(command, 600, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"))
+
+    def one_process_job(self):
+        """smoke_1proc while the session's jobs are being queued (runs join it), else a new job."""
+        if BACKGROUND.holding or "smoke_1proc" not in BACKGROUND.futures:
+            return "smoke_1proc"
+        return f"smoke_1proc_{len(self.plans)}"
+
+    def result(self, key):
+        """The finished process of background job `key`."""
+        if key not in self.results:
+            self.results[key] = BACKGROUND.futures[key].result()
+        return self.results[key]
+
+    def finished(self, name):
+        """None while launching; else the run's log, once its job has ended well."""
         if self.launching:
             return None
         if name not in self.logs:
-            log_dir, run = self.runs[name]
-            result = run.result()
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            result = self.result(self.runs[name][1])
+            # its place, set when its job started
+            log_dir, _, place = self.runs[name]
+            tail = result.stdout[-3000:] + result.stderr[-3000:]
+            assert result.returncode == 0, tail
+            if place is not None:
+                # its exit code among those of the runs in that process
+                assert EXIT_CODES.findall(result.stdout)[place] == "0", tail
             self.logs[name] = finished_log(log_dir)
             self.stdout[name] = result.stdout
         return self.logs[name]
@@ -349,31 +475,59 @@ class SmokeRuns:
         finally:
             self.launching = False
 
+    def short_options(self):
+        """The short run on the Markov shards: 4 steps of 256 tokens, 2 micro-batches of 128 on 1
+        process, 1 on each of 2; it validates every 2 steps on two sequences; tiny()'s model."""
+        return ["--train_files", self.train, "--val_files", self.val, *TINY_MODEL,
+                "--num_iterations", "4", "--val_loss_every", "2", "--batch_size", "256",
+                "--max_device_batch_size", "128", "--val_tokens", "256"]
+
     def short(self, nproc):
-        """The same short run as 1 and as 2 processes on the Markov shards: 4 steps of 256 tokens, 2
-        micro-batches of 128 on 1 process, 1 on each of 2; it validates on two sequences."""
-        extra = ["--save_checkpoint", "true"] if nproc == 1 else []
-        return self.log(f"short_{nproc}proc", nproc, "--train_files", self.train, "--val_files",
-                        self.val, "--num_iterations", "4", "--val_loss_every", "2", "--batch_size",
-                        "256", "--max_device_batch_size", "128", "--val_tokens", "256", *extra)
+        """The same short run as 1 and as 2 processes (short_options). The 1-process run saves a
+        checkpoint at the end and goes through records/profile_run.py, its last step profiled (the
+        profiler does not change the maths); it shares its process (one_process_runs)."""
+        if nproc == 2:
+            return self.log("short_2proc", 2, *self.short_options())
+        self.one_process_runs()
+        return self.finished("short_1proc")
 
     def full(self):
-        """The whole smoke preset's training with no data named (its built-in synthetic stream);
-        validation on 2 sequences, not 8: evaluations were a third of the run."""
-        return self.log("full_1proc", 1, "--val_tokens", "1024")
+        """The whole smoke preset's training with no data named (its built-in synthetic stream), as
+        `python train_gpt.py --preset smoke` runs; validation on 1 sequence, not 8: evaluations were
+        a third of the run. It shares its process (one_process_runs)."""
+        self.one_process_runs()
+        return self.finished("full_1proc")
+
+    def without_triton(self):
+        """(The refused run's log folder, the finished process) of one_process_runs."""
+        self.one_process_runs()
+        if self.launching:
+            return None
+        log_dir, key, _ = self.runs["refused_without_triton"]
+        return log_dir, self.result(key)
+
+    def one_process_runs(self):
+        """In the session's one process (smoke_1proc) while `import triton` fails (as on macOS and
+        Windows; a CPU run never needs it): train_gpt.py refusing --fused_head_loss true, then
+        short(1) and full()."""
+        refused = [*TINY_RUN, "--fused_head_loss", "true"]
+        short = ["--steps", "1", "--preset", "smoke", *self.short_options(), "--save_checkpoint",
+                 "true"]
+        full = ["--preset", "smoke", "--val_tokens", "512"]
+        self.in_one_process(self.one_process_job(),
+                            [("refused_without_triton", "train_gpt.py", refused),
+                             ("short_1proc", PROFILE, short), ("full_1proc", "train_gpt.py", full)],
+                            without_triton=True)
 
     def head(self, fused):
-        """Plain and fused head on 2 steps of one 128-token sequence: the interpreted kernel costs
-        about 10 ms a row of 50,304 logits. The plain run goes through records/profile_run.py (the
-        profiler does not change the maths)."""
-        if fused:
-            extra = ["--fused_head_loss", "true"]
-            script = "train_gpt.py"
-        else:
-            extra = ["--steps", "1"]
-            script = PROFILE
-        name = f"head_{'fused' if fused else 'plain'}_1proc"
-        return self.log(name, 1, "--train_files", self.train, "--val_files", self.val,
-                        "--num_layers", "6", "--num_iterations", "2", "--val_loss_every", "2",
-                        "--batch_size", "128", "--max_device_batch_size", "128", "--val_tokens",
-                        "128", *extra, script=script)
+        """Plain and fused head, one after the other in the session's one process (smoke_1proc,
+        after the runs without triton), on 2 steps of one 128-token sequence through tiny()'s
+        model: the interpreted kernel costs about 10 ms a row of 50,304 logits, whatever the
+        width."""
+        common = ["--preset", "smoke", "--train_files", self.train, "--val_files", self.val,
+                  *TINY_MODEL, "--num_iterations", "2", "--val_loss_every", "2", "--batch_size",
+                  "128", "--max_device_batch_size", "128", "--val_tokens", "128"]
+        self.in_one_process(self.one_process_job(), [
+            ("head_plain_1proc", "train_gpt.py", [*common, "--fused_head_loss", "false"]),
+            ("head_fused_1proc", "train_gpt.py", [*common, "--fused_head_loss", "true"])])
+        return self.finished(f"head_{'fused' if fused else 'plain'}_1proc")

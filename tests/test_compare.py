@@ -3,15 +3,17 @@
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import BACKGROUND
 from conftest import LN_VOCAB
+from conftest import launch_env
 from conftest import load_records_script
 from conftest import smoke_marked
+from helpers import run_process
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -418,22 +420,27 @@ def test_nothing_usable_is_an_error_not_a_traceback(tmp_path, capsys):
     assert code == 1 and "junk.txt: not a log" in err and "Traceback" not in err
 
 
+def compare_script(request):
+    """On the background queue: records/compare.py run as a script on a folder of two finished logs
+    and an unreadable file; gives the folder and the finished process."""
+    folder = request.getfixturevalue("tmp_path_factory").mktemp("compare_script")
+    for i, final in enumerate([3.27, 3.275]):
+        make_log(folder / f"r{i}.txt", curve(final), 40)
+    (folder / "broken.txt").write_bytes(b"\xff\xfe garbage")
+    command = [sys.executable, str(SCRIPT), str(folder)]
+    return BACKGROUND.once("compare_script", run_process, command, 60, env=launch_env())
+
+
 @pytest.mark.slow
-def test_command_line_script(tmp_path):
-    logs = [make_log(tmp_path / f"r{i}.txt", curve(f), 40) for i, f in enumerate([3.27, 3.275])]
-    broken = tmp_path / "broken.txt"
-    broken.write_bytes(b"\xff\xfe garbage")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+@pytest.mark.background.with_args(compare_script)
+def test_command_line_script(request):
+    """A process, so slow: on the background queue, beside the in-process tests."""
+    proc = compare_script(request).result()
+    folder = Path(proc.args[-1])
     assert proc.returncode == 0, proc.stderr
     assert "broken.txt" in proc.stderr and "Traceback" not in proc.stderr
     assert SUMMARY.match(proc.stdout.strip().splitlines()[-1])
-    assert all(str(log) in proc.stdout for log in logs)
+    assert all(str(folder / f"r{i}.txt") in proc.stdout for i in range(2))
 
 
 # -------------------------------------------------------------------------------- plot

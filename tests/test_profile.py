@@ -21,11 +21,11 @@ STARTUP_LINE = re.compile(r"^startup: \d+\.\ds from launch to the end of step \d
 
 
 def val_losses(log):
-    """Val loss by step; the lines after the header, but the profile's, are step lines, the startup
-    line and the closing memory line, in the trainer's fixed format."""
+    """Val loss by step; the lines after the header, but the profile's and the checkpoint's, are
+    step lines, the startup line and the closing memory line, in the trainer's fixed format."""
     lines = log.read_text().splitlines()
     after_options = lines[lines.index("hyperparameters:") :]
-    body = [line for line in after_options if not line.startswith("profile: ")]
+    body = [line for line in after_options if not line.startswith(("profile: ", "checkpoint: "))]
     body = body[body.index("=" * 100) + 1 :]
     assert re.fullmatch(r"peak memory consumption: \d+ MiB", body[-1])
     losses = {}
@@ -39,27 +39,27 @@ def val_losses(log):
 
 
 @pytest.mark.slow
-@smoke_marked(("head", False))
+@smoke_marked(("short", 1))
 def test_profiled_run_writes_a_trace_and_the_top_ops_table_into_its_log(smoke_runs):
-    # 2 steps through the tool, --steps 1
-    log = smoke_runs.head(fused=False)
+    """The session's 1-process short run (4 steps) goes through the tool with --steps 1."""
+    log = smoke_runs.short(1)
     trace = log.with_suffix(".trace.json")
-    stdout = smoke_runs.stdout["head_plain_1proc"]
+    stdout = smoke_runs.stdout["short_1proc"]
     assert f"trace for Perfetto or chrome://tracing: {trace}" in stdout
     events = json.loads(trace.read_text())["traceEvents"]
-    # exactly one train step was recorded, the second: min(12, 2 - 1) = 1 step of warm-up
+    # exactly one train step was recorded, the last: min(12, 4 - 1) = 3 steps of warm-up
     assert sum(e.get("name", "").startswith("ProfilerStep#") for e in events) == 1
     assert any(e.get("name") == "Optimizer.step#Muon.step" for e in events)
     profile = [line for line in log.read_text().splitlines() if line.startswith("profile: ")]
-    first = "profile: 1 train step(s) after the first 1 of this process ran under"
+    first = "profile: 1 train step(s) after the first 3 of this process ran under"
     assert profile[0].startswith(first)
     assert any("Name" in line and "Self CPU" in line for line in profile[1:])
     # the step lines and the closing memory line keep the log's fixed format
     losses = val_losses(log)
-    assert sorted(losses) == [0, 2] and losses[2] < losses[0]
+    assert sorted(losses) == [0, 2, 4] and losses[4] < losses[0]
     # the record tool still reads the log
     run = compare.parse_log(log)
-    assert run.final_loss == losses[2] and run.peak_mib > 0
+    assert run.final_loss == losses[4] and run.peak_mib > 0
 
 
 def test_options_other_than_steps_go_to_the_trainer():
