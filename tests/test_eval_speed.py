@@ -61,7 +61,7 @@ def hellaswag_like(seed, count):
 
     def letters(low, high):
         return "".join(rng.choice("abcdefgh ,.") for _ in range(rng.randint(low, high)))
-    return [(letters(20, 150), [letters(2, 40) for _ in range(4)], rng.randrange(4))
+    return [(letters(10, 80), [letters(2, 40) for _ in range(4)], rng.randrange(4))
             for _ in range(count)]
 
 
@@ -77,7 +77,7 @@ def alone_in_float64(model, document, ending_start):
 @pytest.mark.slow
 def test_fixed_length_hellaswag_matches_each_candidate_scored_alone_in_float64(monkeypatch):
     model = small_model(0)
-    # 12 candidates of 29 to 162 tokens: 6 sequences of 256
+    # 12 candidates of up to 102 tokens: 7 sequences of 128
     examples = hellaswag_like(seed=1, count=3)
     rendered = hellaswag.render(examples, BYTE_TOKENS)
     labels = [label for _, _, label in examples]
@@ -92,11 +92,11 @@ def test_fixed_length_hellaswag_matches_each_candidate_scored_alone_in_float64(m
             return losses(tokens, targets, window)
         return recorded
     monkeypatch.setattr(hellaswag, "loss_per_token", recording)
-    # 256 tokens a forward: several sequences, the last one mostly padding
+    # 128 tokens a forward: several sequences, the last one mostly padding
     acc_norm, acc, n, details = hellaswag.evaluate(model, rendered, labels, 2, torch.device("cpu"),
-                                                   sequence_length=256)
-    assert len(shapes) > 2 and set(shapes) == {((256,), (256,))}
-    assert f"in {len(shapes)} sequences of up to 256)" in details
+                                                   sequence_length=128)
+    assert len(shapes) > 2 and set(shapes) == {((128,), (128,))}
+    assert f"in {len(shapes)} sequences of up to 128)" in details
     # the reference: each candidate alone, the same weights in float64, no padding, no packing
     in_float64 = copy.deepcopy(model).double()
     by_mean = 0
@@ -108,7 +108,7 @@ def test_fixed_length_hellaswag_matches_each_candidate_scored_alone_in_float64(m
         by_sum += int(np.argmin(sums)) == label
         if context == examples[0][0]:
             # and the sums themselves, before any argmin
-            packed, _, _, _, _ = hellaswag.score(model, candidates, 2, torch.device("cpu"), 256)
+            packed, _, _, _, _ = hellaswag.score(model, candidates, 2, torch.device("cpu"), 128)
             torch.testing.assert_close(packed, torch.from_numpy(sums), rtol=1e-6, atol=0)
     assert (n, acc_norm, acc) == (3, by_mean / 3, by_sum / 3)
 

@@ -239,7 +239,7 @@ print("the tools alone:", trainers())
 
 def one_trainer_run(request):
     """ONE_TRAINER in a process of its own, on the background queue (queued at session start):
-    the tiny model, 2 steps of one 128-token sequence, a checkpoint and --hellaswag on one
+    the tiny model, 1 step of one 128-token sequence, a checkpoint and --hellaswag on one
     example; returns (the run's folder, the process's result)."""
     if "one_trainer" not in BACKGROUND.futures:
         folder = request.getfixturevalue("tmp_path_factory").mktemp("one_trainer")
@@ -248,14 +248,14 @@ def one_trainer_run(request):
         data.write_text(json.dumps(dict(ctx="The cat", endings=["ran", "sat"], label=0)) + "\n")
         options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
                    "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
-                   "--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128",
+                   "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "128",
                    "--max_device_batch_size", "128", "--val_tokens", "128",
                    "--save_checkpoint", "true", "--log_dir", str(folder / "logs"),
                    "--hellaswag", "true", "--hellaswag_data", str(data), "--tokenizer",
                    str(RANKS)]
         code = ONE_TRAINER.format(repo=str(REPO), options=options, data=str(data),
                                   ranks=str(RANKS),
-                                  checkpoints=str(folder / "logs" / "*" / "state_step000002.pt"))
+                                  checkpoints=str(folder / "logs" / "*" / "state_step000001.pt"))
         command = [sys.executable, "-c", code]
         env = launch_env(OMP_NUM_THREADS="1")
         BACKGROUND.once("one_trainer", lambda: (folder, run_process(command, 600, cwd=folder,
