@@ -44,10 +44,10 @@ def one_thread():
 
 @functools.cache
 def small_model(seed):
-    """6 blocks of width 16 (one head), every matrix random, bf16 tables as trained; made once per
+    """6 blocks of width 8 (one head), every matrix random, bf16 tables as trained; made once per
     seed. A forward is mostly the 50,304-wide head, whose cost grows with the width."""
     torch.manual_seed(seed)
-    model = train_gpt.GPT(50304, 6, 1, 16)
+    model = train_gpt.GPT(50304, 6, 1, 8)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
@@ -247,7 +247,7 @@ RANKS = train_gpt.Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt
 
 @pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
 def test_sample_cli_prints_each_of_num_samples(tmp_path, capsys):
-    options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=16)
+    options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=8)
     path = tmp_path / "state.pt"
     torch.save(dict(step=1, model=small_model(4).state_dict(), args=vars(options)), path)
     command = [str(path), "--prompt", "Hi", "--max_new_tokens", "3", "--tokenizer", str(RANKS)]

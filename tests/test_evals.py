@@ -57,10 +57,10 @@ def one_thread():
 
 @functools.cache
 def random_model(seed):
-    """6 blocks of width 16 (one head) in fp32, every matrix random (the head and the projections
+    """6 blocks of width 8 (one head) in fp32, every matrix random (the head and the projections
     start at zero); made once per seed (the 50,304-row tables take a while)."""
     torch.manual_seed(seed)
-    model = train_gpt.GPT(50304, 6, 1, 16, bf16_embeds=False)
+    model = train_gpt.GPT(50304, 6, 1, 8, bf16_embeds=False)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
@@ -76,7 +76,7 @@ def tiny_model(dtype=torch.float64, seed=0):
 def write_checkpoint(path, model):
     """The entries of the trainer's checkpoints that the tools read: the weights, the options and
     the trainer's source."""
-    options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=16, bf16_embeds=False)
+    options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=8, bf16_embeds=False)
     torch.save(dict(step=1, model=model.state_dict(), args=asdict(options),
                     source=train_gpt.SOURCE), path)
     return path
@@ -170,7 +170,7 @@ def test_packed_scores_equal_each_candidate_scored_alone_in_float64():
 def test_logits_are_what_the_loss_is_computed_from():
     torch.manual_seed(0)
     # bf16 embeddings, as trained
-    model = train_gpt.GPT(50304, 6, 1, 16)
+    model = train_gpt.GPT(50304, 6, 1, 8)
     with torch.no_grad():
         model.lm_head.weight.normal_()
     x = torch.randint(0, 50257, (129,))
@@ -191,17 +191,18 @@ def test_greedy_continuation_is_the_argmax_of_full_forwards_over_the_tokenizer_i
         # rows that only pad the head: likelier, and never to be drawn
         model.lm_head.weight[50257:] *= 3
     prompt = BYTES.encode_ordinary(text(random.Random(2), 124, 124))
-    tokens = [EOT, *prompt]
-    padding_won = False
+    # from 125 tokens to 131: across a block boundary
+    generated = sample.generate(model, prompt, 6, 2, BYTES.n_vocab)
+    assert generated[:124] == prompt and len(generated) == 130
+    # one full forward over the text, no cache: by causality its row i is the last row of a
+    # forward over the first i + 1 tokens alone, so greedy by full forwards chose the new tokens
+    # exactly when each is the argmax of the row before it (the last prompt token's first)
+    window = torch.tensor(2, dtype=torch.int32)
     with torch.no_grad():
-        # from 125 tokens to 131: across a block boundary
-        for _ in range(6):
-            window = torch.tensor(2, dtype=torch.int32)
-            logits = model(torch.tensor(tokens).int(), None, window)[-1]
-            padding_won |= int(logits.argmax()) >= 50257
-            tokens.append(int(logits[:50257].argmax()))
-    assert padding_won
-    assert sample.generate(model, prompt, 6, 2, BYTES.n_vocab) == tokens[1:]
+        logits = model(torch.tensor([EOT, *generated[:-1]]).int(), None, window)[124:]
+    # a padding row is the likeliest at some step, and never drawn
+    assert (logits.argmax(-1) >= 50257).any()
+    assert generated[124:] == logits[:, :50257].argmax(-1).tolist()
 
 
 def test_sampling_draws_tokenizer_ids_reproducibly_and_top_k_1_is_greedy():

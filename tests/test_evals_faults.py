@@ -53,7 +53,7 @@ def one_thread():
 def save_small_model(path):
     """A small random model of the trainer, saved at path as the trainer saves it (its source
     included); the global generator is left as it was."""
-    options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=16, bf16_embeds=False)
+    options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=8, bf16_embeds=False)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
         model = train_gpt.GPT.from_args(options)
