@@ -20,9 +20,11 @@ from dataclasses import asdict
 import pytest
 import tiktoken
 import torch
-from conftest import REPO
-from conftest import finished_log
-from conftest import launch_env
+from helpers import BACKGROUND
+from helpers import REPO
+from helpers import finished_log
+from helpers import launch_env
+from helpers import started
 
 import train_gpt
 from evals import common
@@ -38,20 +40,35 @@ STAND_IN = tiktoken.Encoding(
 EXAMPLE = json.dumps(dict(ctx="A man", endings=["sat.", "ran."], label=0)) + "\n"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A small random model of the trainer, saved as the trainer saves it (its source included)."""
-    torch.manual_seed(0)
-    options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=16, bf16_embeds=False)
-    model = train_gpt.GPT.from_args(options)
-    with torch.no_grad():
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small operations on one thread, as in the whole suite: two stall at every parallel op on a
+    busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def save_small_model(path):
+    """A small random model of the trainer, saved at path as the trainer saves it (its source
+    included); the global generator is left as it was."""
+    options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=8, bf16_embeds=False)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        model = train_gpt.GPT.from_args(options)
         for p in model.parameters():
             if p.ndim == 2:
                 p.normal_(0, p.size(1) ** -0.5)
-    path = tmp_path_factory.mktemp("faults") / "state.pt"
     torch.save(dict(step=1, model=model.state_dict(), args=asdict(options),
                     source=train_gpt.SOURCE), path)
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """save_small_model's checkpoint."""
+    return save_small_model(tmp_path_factory.mktemp("faults") / "state.pt")
 
 
 @pytest.fixture
@@ -196,18 +213,34 @@ def test_the_smallest_temperature_draws_the_greedy_tokens(checkpoint, capsys):
 
 # --- a closed stdout, a cut download, a bad byte, torchrun's error file ---------------------------
 
+def closed_stdout_run(request):
+    """`python evals/sample.py ... | true` on the background queue (queued at session start): the
+    reader has gone before the text is written. The checkpoint is made here, in the main thread
+    (initialisation draws from the global generator)."""
+    if "closed_stdout" not in BACKGROUND.futures:
+        path = request.getfixturevalue("tmp_path_factory").mktemp("closed_stdout") / "state.pt"
+        save_small_model(path)
+        command = [sys.executable, str(REPO / "evals" / "sample.py"), str(path),
+                   "--max_new_tokens", "2", "--tokenizer", str(RANKS)]
+
+        def run():
+            """(exit code, stderr)"""
+            read, write = os.pipe()
+            os.close(read)
+            with os.fdopen(write, "wb") as closed, started(
+                    command, stdout=closed, stderr=subprocess.PIPE, text=True,
+                    env=launch_env(OMP_NUM_THREADS="1")) as process:
+                _, stderr = process.communicate(timeout=300)
+            return process.returncode, stderr
+        BACKGROUND.once("closed_stdout", run)
+    return BACKGROUND.futures["closed_stdout"]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
-def test_a_closed_stdout_is_quiet(checkpoint):
-    # `python evals/sample.py ... | true`: the reader has gone before the text is written
-    command = [sys.executable, str(REPO / "evals" / "sample.py"), str(checkpoint),
-               "--max_new_tokens", "2", "--tokenizer", str(RANKS)]
-    read, write = os.pipe()
-    os.close(read)
-    with os.fdopen(write, "wb") as closed:
-        result = subprocess.run(command, stdout=closed, stderr=subprocess.PIPE, text=True,
-                                timeout=300, env=launch_env(OMP_NUM_THREADS="1"))
-    assert (result.returncode, result.stderr) == (common.CLOSED_OUTPUT, "")
+@pytest.mark.background.with_args(closed_stdout_run)
+def test_a_closed_stdout_is_quiet(request):
+    assert closed_stdout_run(request).result() == (common.CLOSED_OUTPUT, "")
 
 
 class CutServer(http.server.ThreadingHTTPServer):
@@ -320,7 +353,7 @@ def test_a_stop_signal_during_the_trainers_hellaswag_stops_it_with_no_score(
     train, val, _ = markov_shards
     options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
                "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
-               "--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128",
+               "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "128",
                "--max_device_batch_size", "128", "--val_tokens", "128",
                "--save_checkpoint", "true", "--log_dir", str(tmp_path / "logs"),
                "--hellaswag", "true", "--hellaswag_data", str(data)]
@@ -329,7 +362,7 @@ def test_a_stop_signal_during_the_trainers_hellaswag_stops_it_with_no_score(
     log = finished_log(tmp_path / "logs")
     name = signal.Signals(signum).name
     last = log.read_text().splitlines()[-1]
-    assert last.startswith(f"stopped by {name} after step 2; resume with: ")
+    assert last.startswith(f"stopped by {name} after step 1; resume with: ")
     assert err.splitlines()[-1] == last
     assert "acc_norm=" not in out and "acc_norm=" not in log.read_text().split("=" * 100)[-1]
-    assert list(log.parent.glob(f"{log.stem}/state_step000002.pt"))
+    assert list(log.parent.glob(f"{log.stem}/state_step000001.pt"))

@@ -1,9 +1,11 @@
 """A fork, end to end: train_gpt.py copied under another name into another folder, its softcap and
-its MLP's activation changed there, trains the smoke preset (a few steps) and saves a checkpoint;
-the repository's evals/hellaswag.py and evals/sample.py score and continue with it as the fork's
-model: their scores and greedy text equal those of the fork's own module (each candidate scored
-alone in float64, greedy by full forwards), and differ from the original trainer's with the same
-weights. Also: one trainer module per process, with --hellaswag and with the tools alone.
+its MLP's activation changed there, trains the smoke preset (narrowed, 4 steps) and saves a
+checkpoint; the repository's evals/hellaswag.py and evals/sample.py score and continue with it as
+the fork's model: their scores and greedy text equal those of the fork's own module (each
+candidate scored alone in float64, greedy by full forwards), and differ from the original
+trainer's with the same weights. Also: one trainer module per process, with --hellaswag and with
+the tools alone (one process in the background, which forgets the repository's modules between
+the two).
 
     python -m pytest tests/test_fork_end_to_end.py -q
 """
@@ -12,15 +14,16 @@ import copy
 import importlib.util
 import json
 import random
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import tiktoken
 import torch
-from conftest import REPO
-from conftest import launch_env
+from helpers import BACKGROUND
+from helpers import REPO
+from helpers import launch_env
+from helpers import run_process
 
 import train_gpt
 from evals import common
@@ -67,9 +70,10 @@ def import_file(path, name):
 
 
 @pytest.fixture(scope="module")
-def fork(tmp_path_factory):
+def fork(markov_shards, tmp_path_factory):
     """(the fork's module, its checkpoint): my_attempt.py, trained in this process on the smoke
-    preset for 4 steps of 256 tokens."""
+    preset, at width 16 over 6 blocks (a step is mostly the 50,304-wide head), for 4 steps of 128
+    tokens on the session's Markov shards (after 2, both models' greedy tokens are alike)."""
     folder = tmp_path_factory.mktemp("fork")
     source = (REPO / "train_gpt.py").read_text()
     source = replace_body(source, "GPT", "logits", FORK_LOGITS)
@@ -77,8 +81,11 @@ def fork(tmp_path_factory):
     assert FORK_LOGITS in source and FORK_MLP in source
     (folder / "my_attempt.py").write_text(source)
     module = import_file(folder / "my_attempt.py", "my_attempt")
-    options = ["--preset", "smoke", "--num_iterations", "4", "--val_loss_every", "0",
-               "--batch_size", "256", "--max_device_batch_size", "256", "--val_tokens", "256",
+    train, val, _ = markov_shards
+    options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
+               "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
+               "--num_iterations", "4", "--val_loss_every", "0", "--batch_size", "128",
+               "--max_device_batch_size", "128", "--val_tokens", "128",
                "--save_checkpoint", "true", "--log_dir", str(folder / "logs")]
     assert module.main(options) == 0
     (checkpoint,) = (folder / "logs").glob("*/state_step000004.pt")
@@ -94,17 +101,21 @@ def model_of(trainer, checkpoint):
     return model.eval(), options
 
 
+def in_float64(model):
+    """A copy of the model in float64, for the references."""
+    return copy.deepcopy(model).double()
+
+
 @torch.no_grad()
-def ending_losses(model, candidates, endings):
+def ending_losses(model64, candidates, endings):
     """Each candidate's summed and mean loss over its ending, from a forward over it alone with
     the model in float64; (sums, means), a row per example of `endings` candidates."""
-    model = copy.deepcopy(model).double()
     window = torch.tensor(10 ** 6, dtype=torch.int32)
     sums = []
     means = []
     for tokens, start in candidates:
         x = torch.tensor(tokens)
-        logits = model(x.int(), None, window).double()
+        logits = model64(x.int(), None, window).double()
         losses = -logits.log_softmax(-1)[torch.arange(start - 1, len(x) - 1), x[start:]]
         sums.append(losses.sum().item())
         means.append(losses.mean().item())
@@ -131,11 +142,10 @@ def greedy(model, prompt, new_tokens, window_blocks, vocab):
 
 
 @torch.no_grad()
-def next_token_losses(model, tokens):
+def next_token_losses(model64, tokens):
     """The loss of each possible next token after tokens, with the model in float64."""
-    model = copy.deepcopy(model).double()
     window = torch.tensor(10 ** 6, dtype=torch.int32)
-    return -model(torch.tensor(tokens).int(), None, window)[-1].double().log_softmax(-1)
+    return -model64(torch.tensor(tokens).int(), None, window)[-1].double().log_softmax(-1)
 
 
 def text(rng, length):
@@ -150,15 +160,18 @@ def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_pat
                         lambda tokenizer_file=None: IN_DOMAIN)
     fork_model, options = model_of(fork_module, checkpoint)
     original_model, _ = model_of(train_gpt, checkpoint)
+    fork64 = in_float64(fork_model)
+    original64 = in_float64(original_model)
     # Examples of two one-character endings: per context, two characters that the fork's model and
     # the original's (the same weights) rank in opposite orders, labelled with the fork's choice
     rng = random.Random(0)
     examples = []
-    for i in range(6):
+    for i in range(4):
         context = text(rng, 20)
         tokens = [train_gpt.EOT, *IN_DOMAIN.encode_ordinary(context + " ")]
-        fork_losses = next_token_losses(fork_model, tokens)
-        original_losses = next_token_losses(original_model, tokens)
+        # floats, not tensors, for the 94 x 94 comparisons
+        fork_losses = next_token_losses(fork64, tokens).tolist()
+        original_losses = next_token_losses(original64, tokens).tolist()
         printable = range(33, 127)
         pairs = [(a, b) for a in printable for b in printable
                  if fork_losses[a] < fork_losses[b] and original_losses[a] > original_losses[b]]
@@ -170,8 +183,8 @@ def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_pat
     rendered = hellaswag.render(examples, IN_DOMAIN, train_gpt.EOT)
     candidates = [c for example in rendered for c in example]
     labels = [label for *_, label in examples]
-    fork_line = result_line(*ending_losses(fork_model, candidates, 2), labels)
-    original_line = result_line(*ending_losses(original_model, candidates, 2), labels)
+    fork_line = result_line(*ending_losses(fork64, candidates, 2), labels)
+    original_line = result_line(*ending_losses(original64, candidates, 2), labels)
     assert fork_line.startswith("hellaswag: acc_norm=1.0000 ")
     assert original_line.startswith("hellaswag: acc_norm=0.0000 ")
     data = tmp_path / "val.jsonl"
@@ -185,48 +198,79 @@ def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_pat
     window_blocks = fork_module.window_blocks_at(options.num_iterations, options)
     for _ in range(8):
         prompt = IN_DOMAIN.encode_ordinary(text(rng, 20))
-        fork_tokens = greedy(fork_model, prompt, 12, window_blocks, IN_DOMAIN.n_vocab)
-        original_tokens = greedy(original_model, prompt, 12, window_blocks, IN_DOMAIN.n_vocab)
+        fork_tokens = greedy(fork_model, prompt, 8, window_blocks, IN_DOMAIN.n_vocab)
+        original_tokens = greedy(original_model, prompt, 8, window_blocks, IN_DOMAIN.n_vocab)
         if fork_tokens != original_tokens:
             break
     assert fork_tokens != original_tokens, "the same greedy tokens from both models"
     assert sample.main([str(checkpoint), "--prompt", IN_DOMAIN.decode(prompt),
-                        "--max_new_tokens", "12"]) == 0
+                        "--max_new_tokens", "8"]) == 0
     assert capsys.readouterr().out == IN_DOMAIN.decode(fork_tokens) + "\n"
 
 
+# One process: the trainer with --hellaswag, then the tools alone, as in a process of their own:
+# every module of the repository imported so far (train_gpt, evals, the tokenizer) forgotten first
 ONE_TRAINER = """
+import glob
+import os
 import sys
 sys.path.insert(0, {repo!r})
-{run}
-trainers = [name for name, module in sys.modules.items()
+
+
+def trainers():
+    return [name for name, module in sys.modules.items()
             if isinstance(getattr(module, "GPT", None), type)
             and hasattr(module, "Hyperparameters")]
-print("trainers:", trainers)
+
+
+import train_gpt
+assert train_gpt.main({options!r}) == 0
+print("with --hellaswag:", trainers())
+for name, module in list(sys.modules.items()):
+    if (getattr(module, "__file__", None) or "").startswith(os.path.join({repo!r}, "")):
+        del sys.modules[name]
+assert trainers() == []
+(checkpoint,) = glob.glob({checkpoints!r})
+from evals import hellaswag
+assert hellaswag.main([checkpoint, "--data", {data!r}, "--tokenizer", {ranks!r}]) == 0
+print("the tools alone:", trainers())
 """
 
 
-def run_python(code, tmp_path):
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path, env=launch_env(OMP_NUM_THREADS="1"))
+def one_trainer_run(request):
+    """ONE_TRAINER in a process of its own, on the background queue (queued at session start):
+    the tiny model, 1 step of one 128-token sequence, a checkpoint and --hellaswag on one
+    example; returns (the run's folder, the process's result)."""
+    if "one_trainer" not in BACKGROUND.futures:
+        folder = request.getfixturevalue("tmp_path_factory").mktemp("one_trainer")
+        train, val, _ = request.getfixturevalue("markov_shards")
+        data = folder / "val.jsonl"
+        data.write_text(json.dumps(dict(ctx="The cat", endings=["ran", "sat"], label=0)) + "\n")
+        options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
+                   "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
+                   "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "128",
+                   "--max_device_batch_size", "128", "--val_tokens", "128",
+                   "--save_checkpoint", "true", "--log_dir", str(folder / "logs"),
+                   "--hellaswag", "true", "--hellaswag_data", str(data), "--tokenizer",
+                   str(RANKS)]
+        code = ONE_TRAINER.format(repo=str(REPO), options=options, data=str(data),
+                                  ranks=str(RANKS),
+                                  checkpoints=str(folder / "logs" / "*" / "state_step000001.pt"))
+        command = [sys.executable, "-c", code]
+        env = launch_env(OMP_NUM_THREADS="1")
+        BACKGROUND.once("one_trainer", lambda: (folder, run_process(command, 600, cwd=folder,
+                                                                      env=env)))
+    return BACKGROUND.futures["one_trainer"]
 
 
-def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(
-        markov_shards, tmp_path):
-    train, val, _ = markov_shards
-    data = tmp_path / "val.jsonl"
-    data.write_text(json.dumps(dict(ctx="The cat", endings=["ran", "sat"], label=0)) + "\n")
-    options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
-               "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
-               "--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128",
-               "--max_device_batch_size", "128", "--val_tokens", "128",
-               "--save_checkpoint", "true", "--log_dir", str(tmp_path / "logs"),
-               "--hellaswag", "true", "--hellaswag_data", str(data), "--tokenizer", str(RANKS)]
-    trainer_run = f"import train_gpt\nassert train_gpt.main({options!r}) == 0"
-    result = run_python(ONE_TRAINER.format(repo=str(REPO), run=trainer_run), tmp_path)
+@pytest.mark.background.with_args(one_trainer_run)
+def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(request):
+    folder, result = one_trainer_run(request).result()
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[-1] == "trainers: ['train_gpt']"
-    (log,) = (tmp_path / "logs").glob("*.txt")
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if line.startswith("with --")] == [
+        "with --hellaswag: ['train_gpt']"]
+    (log,) = (folder / "logs").glob("*.txt")
     text = log.read_text()
     # the trainer's source, then the scorer's, each file named, then the line of 100 '='
     source_end = text.index("\n" + "=" * 100 + "\n")
@@ -237,13 +281,6 @@ def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(
         assert at < source_end
         assert text[at + len(header):].startswith((REPO / name).read_text())
     assert text.splitlines()[-1].startswith("hellaswag: acc_norm=")
-
-    (checkpoint,) = (tmp_path / "logs").glob("*/state_step000002.pt")
-    tools_run = ("from evals import hellaswag\n"
-                 f"assert hellaswag.main([{str(checkpoint)!r}, '--data', {str(data)!r}, "
-                 f"'--tokenizer', {str(RANKS)!r}]) == 0")
-    result = run_python(ONE_TRAINER.format(repo=str(REPO), run=tools_run), tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
     # the module built from the checkpoint's source, and no other (train_gpt is not imported)
-    (trainer,) = ast.literal_eval(result.stdout.splitlines()[-1].removeprefix("trainers: "))
+    (trainer,) = ast.literal_eval(lines[-1].removeprefix("the tools alone: "))
     assert trainer.startswith("trainer_")

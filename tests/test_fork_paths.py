@@ -23,6 +23,17 @@ from train_gpt import Hyperparameters
 from train_gpt import build_block_mask
 from train_gpt import build_dense_mask
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small operations on one thread, as in the whole suite: two stall at every parallel op on a
+    busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --- attention: the block mask's mask_mod is the whole mask ---------------------------------------
 
 SEQ = 6 * BLOCK_SIZE
@@ -96,9 +107,11 @@ def float64_head(x, weight, targets, softcap):
     return (loss.item(), *torch.autograd.grad(loss, (x64, w64)))
 
 
-def model_head(x, weight, targets, **options):
-    """GPT.head_loss of a small model with this head: the loss and its gradients wrt x and W."""
-    model = GPT(len(weight), 6, 1, x.size(1), **options)
+def model_head(model, x, weight, targets, fused_head_loss=False, head_chunk_rows=0):
+    """GPT.head_loss of the model with this head, the plain or the fused one (whole, or by chunks
+    of rows): the loss and its gradients wrt x and W."""
+    model.fused_head_loss = fused_head_loss
+    model.head_chunk_rows = head_chunk_rows
     with torch.no_grad():
         model.lm_head.weight.copy_(weight)
     x = x.clone().requires_grad_()
@@ -111,26 +124,30 @@ def relative_error(value, reference):
 
 
 @needs_triton
-@pytest.mark.parametrize("chunk_rows", [0, 16], ids=["whole", "chunks_of_16_rows"])
-def test_fused_head_follows_a_forks_softcap(monkeypatch, chunk_rows):
+def test_fused_head_whole_and_in_row_chunks_follows_a_forks_softcap(monkeypatch):
     monkeypatch.setattr(GPT, "softcap", 30)
-    if not train_gpt.head_matches_kernel(GPT(16, 6, 1, 16)):
-        pytest.skip("this GPT's head is not softcap tanh(z / softcap): its fused head stays off")
     x, weight, targets = head_case()
+    # one model for every path: GPT.head_loss reads its options at each call
+    model = GPT(len(weight), 6, 1, x.size(1))
+    if not train_gpt.head_matches_kernel(model):
+        pytest.skip("this GPT's head is not softcap tanh(z / softcap): its fused head stays off")
     reference = float64_head(x, weight, targets, softcap=30)
     # the test can tell the two softcaps apart
     record_softcap = float64_head(x, weight, targets, softcap=15)
     assert abs(record_softcap[0] - reference[0]) > 0.1 * reference[0]
-    plain = model_head(x, weight, targets)
-    fused = model_head(x, weight, targets, fused_head_loss=True, head_chunk_rows=chunk_rows)
-    for path in (plain, fused):
-        loss, grad_x, grad_w = path
-        assert abs(loss - reference[0]) < 1e-3 * reference[0]
-        # bf16 inputs and logits: errors of a few 1e-3 are rounding, a wrong softcap is far off
-        assert relative_error(grad_x, reference[1]) < 1e-2
-        assert relative_error(grad_w, reference[2]) < 1e-2
-    assert abs(fused[0] - plain[0]) < 1e-3 * plain[0]
-    assert relative_error(fused[2], plain[2].double()) < 1e-2
+    plain = model_head(model, x, weight, targets)
+    # the whole 37 rows at once, and in chunks of 24 rows (a full one and a partial one)
+    for chunk_rows in (0, 24):
+        fused = model_head(model, x, weight, targets, fused_head_loss=True,
+                           head_chunk_rows=chunk_rows)
+        for path in (plain, fused):
+            loss, grad_x, grad_w = path
+            assert abs(loss - reference[0]) < 1e-3 * reference[0]
+            # bf16 inputs and logits: errors of a few 1e-3 are rounding, a wrong softcap is far off
+            assert relative_error(grad_x, reference[1]) < 1e-2
+            assert relative_error(grad_w, reference[2]) < 1e-2
+        assert abs(fused[0] - plain[0]) < 1e-3 * plain[0], f"chunks of {chunk_rows}"
+        assert relative_error(fused[2], plain[2].double()) < 1e-2, f"chunks of {chunk_rows}"
 
 
 def sigmoid_logits(self, x):
@@ -159,6 +176,20 @@ REWRITES = {
 }
 
 
+@pytest.fixture(scope="module")
+def small_gpt():
+    """GPT(512, 6, 1, 16), built once (its 6 rotary tables take a while): a fork's rewrites and
+    softcaps are the class's, read at each call."""
+    return GPT(512, 6, 1, 16)
+
+
+@pytest.fixture
+def fused_model(small_gpt):
+    """small_gpt with its fused head on, as GPT(..., fused_head_loss=True) builds it."""
+    small_gpt.fused_head_loss = True
+    return small_gpt
+
+
 class LogLines(list):
     def __call__(self, line):
         self.append(line)
@@ -166,10 +197,10 @@ class LogLines(list):
 
 @pytest.mark.record18
 @needs_triton
-def test_the_records_head_and_a_forks_softcap_keep_the_fused_kernel(monkeypatch):
+def test_the_records_head_and_a_forks_softcap_keep_the_fused_kernel(monkeypatch, fused_model):
+    model = fused_model
     for softcap in (15, 30, 7.5):
         monkeypatch.setattr(GPT, "softcap", softcap)
-        model = GPT(512, 6, 1, 16, fused_head_loss=True)
         state = model.state_dict()
         rng = torch.get_rng_state()
         log = LogLines()
@@ -182,10 +213,11 @@ def test_the_records_head_and_a_forks_softcap_keep_the_fused_kernel(monkeypatch)
 
 @needs_triton
 @pytest.mark.parametrize("rewrite", REWRITES)
-def test_a_head_the_kernel_does_not_compute_is_refused_or_runs_plain(monkeypatch, rewrite):
+def test_a_head_the_kernel_does_not_compute_is_refused_or_runs_plain(monkeypatch, fused_model,
+                                                                    rewrite):
     name, value = REWRITES[rewrite]
     monkeypatch.setattr(GPT, name, value)
-    model = GPT(512, 6, 1, 16, fused_head_loss=True)
+    model = fused_model
     assert not train_gpt.head_matches_kernel(model)
     log = LogLines()
     with pytest.raises(train_gpt.UserError) as refusal:
@@ -202,7 +234,9 @@ def test_a_head_the_kernel_does_not_compute_is_refused_or_runs_plain(monkeypatch
 def test_a_run_asking_for_the_fused_head_of_a_rewritten_logits_stops_at_start_up(
         monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(GPT, "logits", sigmoid_logits)
-    argv = ["--preset", "smoke", "--fused_head_loss", "true", "--log_dir", str(tmp_path)]
+    # the smoke preset, narrowed: the model is built before the check
+    argv = ["--preset", "smoke", "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
+            "--fused_head_loss", "true", "--log_dir", str(tmp_path)]
     assert train_gpt.main(argv) == 1
     out, err = capsys.readouterr()
     assert err.startswith("error: --fused_head_loss true: GPT.logits or GPT.head_loss ")
