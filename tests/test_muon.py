@@ -1,7 +1,6 @@
 """Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64),
 and Muon in 2 and 3 processes against 1."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,8 +8,7 @@ import muon_worker
 import pytest
 import torch
 from helpers import BACKGROUND
-from helpers import kill_group
-from helpers import start_process
+from helpers import run_process
 from helpers import worker_env
 from muon_worker import SHAPES
 from muon_worker import STEPS
@@ -176,34 +174,20 @@ def test_muon_step_matches_float64(compiled, nesterov):
 WORKER = Path(__file__).with_name("muon_worker.py")
 
 
-def launch_worker(out_path, nproc):
-    """The worker under torchrun with gloo, the way the trainer runs."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return start_process(
-        [sys.executable, *launcher, str(WORKER), str(out_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=worker_env(OMP_NUM_THREADS="1"),
-    )
-
-
-def run_workers(out_dir, nprocs):
-    """One launch per world size, all at once; per world size its stderr, exit code and saved
-    result."""
-    runs = {n: launch_worker(out_dir / f"{n}.pt", n) for n in nprocs}
-    try:
-        results = {n: run.communicate(timeout=300)[1] for n, run in runs.items()}
-    finally:
-        for run in runs.values():
-            kill_group(run)
-    return {n: (stderr, runs[n].returncode, out_dir / f"{n}.pt") for n, stderr in results.items()}
+def run_workers(out_dir):
+    """One torchrun launch of 3 processes with gloo, the way the trainer runs: the worker runs Muon
+    in the world of 3, then ranks 0 and 1 in a world of 2 (an interpreter start and a launch fewer
+    than a launch per world size); its stderr, exit code and the saved result per world size."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
+    result = run_process([sys.executable, *launcher, str(WORKER), str(out_dir)], 300,
+                         env=worker_env(OMP_NUM_THREADS="1"))
+    return {n: (result.stderr, result.returncode, out_dir / f"{n}.pt") for n in (2, 3)}
 
 
 def muon_workers(request):
-    """The 2- and 3-process runs, started in the background at session start (the test's mark)."""
+    """The 3- and 2-process runs, started in the background at session start (the test's mark)."""
     tmp = request.getfixturevalue("tmp_path_factory")
-    return BACKGROUND.once("muon_workers", lambda: run_workers(tmp.mktemp("muon_workers"), (2, 3)))
+    return BACKGROUND.once("muon_workers", lambda: run_workers(tmp.mktemp("muon_workers")))
 
 
 @pytest.fixture(scope="module")
