@@ -320,8 +320,9 @@ def compiled_attention():
     window_blocks = torch.tensor(1, dtype=torch.int32)
     eager_mask = build_block_mask(tokens, window_blocks)
     started = time.perf_counter()
-    # and g++ run from this process, one kernel at a time: a pool of compile workers would start 3
-    # more interpreters (about 15 s of CPU) for 7 kernels
+    # and g++ run from this process, one kernel at a time: a pool of compile workers starts more
+    # interpreters, and on a busy 2-core machine took far more wall time (Muon's compiled cases: 134
+    # s against about 50)
     uncached = {"fx_graph_cache": False, "fx_graph_remote_cache": False, "compile_threads": 1}
     with inductor_config.patch(uncached), functorch_config.patch(enable_autograd_cache=False):
         compiled(tokens, *random_qkv(COMPILED_LENGTH), window_blocks, eager_mask)
@@ -342,9 +343,9 @@ def test_compiled_mask_and_attention_hold_no_sort(compiled_attention):
         assert not op_names(graph) & SORTS, f"sort in the compiled mask: {op_names(graph) & SORTS}"
 
 
-# the long layouts but two that make the very masks of short ones: one_document (an EOT at 0 alone)
-# and mid_document_start (one EOT after the start; the short one puts it in block 2, the long one in
-# block 5)
+# the long layouts but two that repeat short ones: one_document makes the very mask of the short one
+# (an EOT at 0 alone), mid_document_start the same case (one EOT after the start: in block 5, the
+# short one's in block 2)
 COMPILED_LONG_LAYOUTS = [name for name in LONG_LAYOUTS
                          if name not in ("one_document", "mid_document_start")]
 
