@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
+from helpers import BACKGROUND
 from helpers import run_process
 from helpers import worker_env
-from torch._inductor.utils import fresh_inductor_cache
 
 import train_gpt
 
@@ -28,22 +28,6 @@ print(train_gpt.save_compile_cache(sys.argv[1], {STAMP!r}))
 """
 
 
-def compile_here(cache):
-    """COMPILE's steps in this process, with empty local caches (a fresh inductor cache folder):
-    the first process, whose inductor is already imported and set up; the same three lines."""
-    with fresh_inductor_cache():
-        loaded = train_gpt.load_compile_cache(str(cache), STAMP)
-        # read here: the fresh cache starts the counts afresh too
-        counts = torch._dynamo.utils.counters["inductor"]
-        before = counts["fxgraph_cache_hit"], counts["fxgraph_cache_miss"]
-        torch.compile(lambda x: x @ x.T)(torch.randn(8, 8))
-        counts = torch._dynamo.utils.counters["inductor"]
-        hits = counts["fxgraph_cache_hit"] - before[0]
-        misses = counts["fxgraph_cache_miss"] - before[1]
-        saved = train_gpt.save_compile_cache(str(cache), STAMP)
-    return [loaded, f"{hits} {misses}", saved]
-
-
 def compile_in_fresh_process(cache, tmp_path, name):
     env = worker_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"{name}_inductor"),
                      TRITON_CACHE_DIR=str(tmp_path / f"{name}_triton"))
@@ -52,16 +36,25 @@ def compile_in_fresh_process(cache, tmp_path, name):
     return result.stdout.splitlines()[-3:]
 
 
-@pytest.mark.slow
-def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(tmp_path):
-    """This process compiles with empty local caches and saves the cache (an interpreter start and
-    inductor's set-up fewer than a first process of its own); a new process with empty local caches
-    loads it and compiles from it."""
+def compile_twice(tmp_path):
+    """The first process's output, the temp files it left, the second process's output."""
     cache = tmp_path / "compile.cache"
-    loaded, counts, saved = compile_here(cache)
+    first = compile_in_fresh_process(cache, tmp_path, "first")
+    return first, list(tmp_path.glob("*.tmp")), compile_in_fresh_process(cache, tmp_path, "second")
+
+
+def compile_twice_in_background(request):
+    tmp = request.getfixturevalue("tmp_path_factory")
+    return BACKGROUND.once("compile_twice", lambda: compile_twice(tmp.mktemp("compile_cache")))
+
+
+@pytest.mark.slow
+@pytest.mark.background.with_args(compile_twice_in_background)
+def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(request):
+    (loaded, counts, saved), temp_files, second = compile_twice_in_background(request).result()
     assert loaded.startswith("not found") and counts == "0 1" and saved.startswith("saved")
-    assert not list(tmp_path.glob("*.tmp"))  # the temp file was renamed into place
-    loaded, counts, _ = compile_in_fresh_process(cache, tmp_path, "second")
+    assert not temp_files  # the temp file was renamed into place
+    loaded, counts, _ = second
     # inductor's own count: a hit, no new code
     assert loaded.startswith("loaded") and counts == "1 0"
 
