@@ -185,8 +185,8 @@ WORKER = Path(__file__).with_name("muon_worker.py")
 
 def run_workers(out_dir):
     """One torchrun launch of 3 processes with gloo, the way the trainer runs: the worker runs Muon
-    in the world of 3, then ranks 0 and 1 in a world of 2 (an interpreter start and a launch fewer
-    than a launch per world size); its stderr, exit code and the saved result per world size."""
+    in the world of 3, then ranks 0 and 1 in a world of 2 (4 interpreters, not the 7 of a launch per
+    world size); its stderr, exit code and the saved result per world size."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
     result = run_process([sys.executable, *launcher, str(WORKER), str(out_dir)], 300,
                          env=worker_env(OMP_NUM_THREADS="1"))
