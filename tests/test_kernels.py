@@ -58,9 +58,13 @@ def small_row_blocks(monkeypatch):
     monkeypatch.setitem(train_gpt.HEAD_LAUNCH_CPU, "ROWS", 16)
 
 
+# typical logits, and |z| ~ 1000 where tanh saturates (slow: the interpreted kernel takes about a
+# second over the whole vocabulary, and the typical case keeps the fast loop on this kernel)
+SCALES = [3.0, pytest.param(1000.0, marks=pytest.mark.slow)]
+
+
 @pytest.mark.record18
-# typical logits, and |z| ~ 1000 where tanh saturates
-@pytest.mark.parametrize("logit_scale", [3.0, 1000.0])
+@pytest.mark.parametrize("logit_scale", SCALES)
 @needs_triton
 def test_kernel_writes_the_loss_gradient_over_the_logits(small_row_blocks, logit_scale):
     x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=logit_scale, seed=1)
@@ -78,7 +82,7 @@ def test_kernel_writes_the_loss_gradient_over_the_logits(small_row_blocks, logit
 
 
 @pytest.mark.record18
-@pytest.mark.parametrize("logit_scale", [3.0, 1000.0])
+@pytest.mark.parametrize("logit_scale", SCALES)
 @needs_triton
 def test_fused_head_loss_and_gradients_match_the_plain_head_in_float64(small_row_blocks,
                                                                        logit_scale):
@@ -97,7 +101,9 @@ def test_fused_head_loss_and_gradients_match_the_plain_head_in_float64(small_row
 @pytest.mark.slow
 @needs_triton
 def test_upstream_gradient_scales_the_head_gradients_exactly(small_row_blocks):
-    x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=3.0, seed=2)
+    """The vocabulary of 777 (a partial last column chunk too): the scaling, not the width, is
+    checked, and the interpreted kernel costs about 10 ms a row of 50,304 logits."""
+    x, weight, targets = head_inputs(rows=37, dim=16, vocab=777, logit_scale=3.0, seed=2)
     grads = torch.autograd.grad(fused_head_loss(x, weight, targets), (x, weight))
     # as with 8 micro-batches
     scaled = torch.autograd.grad(fused_head_loss(x, weight, targets) / 8, (x, weight))
@@ -109,7 +115,8 @@ def test_upstream_gradient_scales_the_head_gradients_exactly(small_row_blocks):
 @pytest.mark.slow
 @needs_triton
 def test_without_grad_the_kernel_computes_the_loss_only_and_leaves_the_logits(small_row_blocks):
-    x, weight, targets = head_inputs(rows=37, dim=64, vocab=50304, logit_scale=3.0, seed=3)
+    """On a vocabulary of 777, as the test above."""
+    x, weight, targets = head_inputs(rows=37, dim=16, vocab=777, logit_scale=3.0, seed=3)
     logits = (x.detach().float() @ weight.detach().bfloat16().float().T).bfloat16()
     before = logits.clone()
     losses = softcapped_cross_entropy_(logits, targets)

@@ -6,9 +6,10 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.compile_fx import compile_fx_inner
-from torch._inductor.utils import fresh_inductor_cache
 from torch.nn.attention.flex_attention import flex_attention
 
 from train_gpt import BLOCK_SIZE
@@ -210,15 +211,14 @@ def assert_lists_match(mask, pairs, window, context):
     "length",
     [
         1024,
-        2048,
-        3072,
-        4096,
-        *(pytest.param(length, marks=pytest.mark.slow) for length in (8192, 16384)),
+        *(pytest.param(length, marks=pytest.mark.slow) for length in (2048, 3072, 4096, 8192,
+                                                                      16384)),
     ],
 )
 def test_block_lists_equal_the_token_level_blocks(length):
     for name in LONG_LAYOUTS:
-        for seed in range(2 if length <= 4096 else 1):
+        # a second placement of the random layouts at the two shortest lengths
+        for seed in range(2 if length <= 2048 else 1):
             tokens = long_layout(name, length, seed)
             pairs = reference_block_pairs(tokens)
             for window in WINDOWS:
@@ -300,15 +300,19 @@ def attend(tokens, q, k, v, window_blocks, eager_mask):
 
 
 def random_qkv(length):
+    """Two heads (the mask's one head broadcast to both) of dimension 16: the kernel's work per call
+    is most of a layout's time, and the dimension is not what is checked."""
     return [
-        torch.randn(1, 2, length, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)
+        torch.randn(1, 2, length, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)
     ]
 
 
 @pytest.fixture(scope="module")
 def compiled_attention():
-    """attend() compiled once, with inductor's cache bypassed (a cached graph would not be lowered
-    again); every test below reuses it. Gives the compiled function and its backend."""
+    """attend() compiled once, with the FX graph and AOT caches off (a cached graph would not be
+    lowered again), but inductor's kernel cache on, so that its C++ kernels, already built or built
+    now, are shared with later runs; every test below reuses it. Gives the compiled function and its
+    backend."""
     backend = RecordingInductor()
     compiled = torch.compile(attend, backend=backend, dynamic=False)
     # as the trainer feeds them
@@ -316,7 +320,11 @@ def compiled_attention():
     window_blocks = torch.tensor(1, dtype=torch.int32)
     eager_mask = build_block_mask(tokens, window_blocks)
     started = time.perf_counter()
-    with fresh_inductor_cache():
+    # and g++ run from this process, one kernel at a time: a pool of compile workers starts more
+    # interpreters, and on a busy 2-core machine took far more wall time (Muon's compiled cases: 134
+    # s against about 50)
+    uncached = {"fx_graph_cache": False, "fx_graph_remote_cache": False, "compile_threads": 1}
+    with inductor_config.patch(uncached), functorch_config.patch(enable_autograd_cache=False):
         compiled(tokens, *random_qkv(COMPILED_LENGTH), window_blocks, eager_mask)
     print(f"compiled mask and attention in {time.perf_counter() - started:.1f} s")
     return compiled, backend
@@ -335,11 +343,18 @@ def test_compiled_mask_and_attention_hold_no_sort(compiled_attention):
         assert not op_names(graph) & SORTS, f"sort in the compiled mask: {op_names(graph) & SORTS}"
 
 
+# the long layouts but two that repeat short ones: one_document makes the very mask of the short one
+# (an EOT at 0 alone), mid_document_start the same case (one EOT after the start: in block 5, the
+# short one's in block 2)
+COMPILED_LONG_LAYOUTS = [name for name in LONG_LAYOUTS
+                         if name not in ("one_document", "mid_document_start")]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name,long",
-    [(name, False) for name in LAYOUTS] + [(name, True) for name in LONG_LAYOUTS],
-    ids=[*LAYOUTS, *(f"long_{name}" for name in LONG_LAYOUTS)],
+    [(name, False) for name in LAYOUTS] + [(name, True) for name in COMPILED_LONG_LAYOUTS],
+    ids=[*LAYOUTS, *(f"long_{name}" for name in COMPILED_LONG_LAYOUTS)],
 )
 def test_compiled_mask_and_attention_match_the_token_by_token_definition_in_one_compile(
     compiled_attention, name, long

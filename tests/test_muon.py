@@ -1,7 +1,6 @@
 """Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64),
 and Muon in 2 and 3 processes against 1."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,12 +8,12 @@ import muon_worker
 import pytest
 import torch
 from helpers import BACKGROUND
-from helpers import kill_group
-from helpers import start_process
+from helpers import run_process
 from helpers import worker_env
 from muon_worker import SHAPES
 from muon_worker import STEPS
 from muon_worker import gradients
+from torch._inductor import config as inductor_config
 
 import train_gpt
 from train_gpt import Muon
@@ -103,6 +102,14 @@ MIXED = [(16, 40), (40, 16), (16, 40), (24, 24), (24, 24)]
 SHAPES_FOR = {False: MIXED, True: MIXED[:3]}
 
 
+@pytest.fixture
+def serial_compile(monkeypatch):
+    """Inductor builds its C++ kernels from this process, one at a time: with its pool of compile
+    workers (more interpreters) the compiled cases took about as much CPU, and on a busy 2-core
+    machine 134 s of wall time instead of about 50."""
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)
+
+
 def aspect_scale(p):
     return max(1, p.shape[0] / p.shape[1]) ** 0.5
 
@@ -111,7 +118,7 @@ def aspect_scale(p):
 @pytest.mark.parametrize(
     "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
 )
-def test_batched_step_gives_each_matrix_its_own_iteration(compiled):
+def test_batched_step_gives_each_matrix_its_own_iteration(serial_compile, compiled):
     """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled
     alone."""
     torch.manual_seed(3)
@@ -146,7 +153,7 @@ def muon_float64(params, grads_per_step, schedule, nesterov):
 @pytest.mark.parametrize(
     "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
 )
-def test_muon_step_matches_float64(compiled, nesterov):
+def test_muon_step_matches_float64(serial_compile, compiled, nesterov):
     torch.manual_seed(4)
     shapes = SHAPES_FOR[compiled]
     start = [torch.randn(shape) for shape in shapes]
@@ -176,34 +183,20 @@ def test_muon_step_matches_float64(compiled, nesterov):
 WORKER = Path(__file__).with_name("muon_worker.py")
 
 
-def launch_worker(out_path, nproc):
-    """The worker under torchrun with gloo, the way the trainer runs."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return start_process(
-        [sys.executable, *launcher, str(WORKER), str(out_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=worker_env(OMP_NUM_THREADS="1"),
-    )
-
-
-def run_workers(out_dir, nprocs):
-    """One launch per world size, all at once; per world size its stderr, exit code and saved
-    result."""
-    runs = {n: launch_worker(out_dir / f"{n}.pt", n) for n in nprocs}
-    try:
-        results = {n: run.communicate(timeout=300)[1] for n, run in runs.items()}
-    finally:
-        for run in runs.values():
-            kill_group(run)
-    return {n: (stderr, runs[n].returncode, out_dir / f"{n}.pt") for n, stderr in results.items()}
+def run_workers(out_dir):
+    """One torchrun launch of 3 processes with gloo, the way the trainer runs: the worker runs Muon
+    in the world of 3, then ranks 0 and 1 in a world of 2 (4 interpreters, not the 7 of a launch per
+    world size); its stderr, exit code and the saved result per world size."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
+    result = run_process([sys.executable, *launcher, str(WORKER), str(out_dir)], 300,
+                         env=worker_env(OMP_NUM_THREADS="1"))
+    return {n: (result.stderr, result.returncode, out_dir / f"{n}.pt") for n in (2, 3)}
 
 
 def muon_workers(request):
-    """The 2- and 3-process runs, started in the background at session start (the test's mark)."""
+    """The 3- and 2-process runs, started in the background at session start (the test's mark)."""
     tmp = request.getfixturevalue("tmp_path_factory")
-    return BACKGROUND.once("muon_workers", lambda: run_workers(tmp.mktemp("muon_workers"), (2, 3)))
+    return BACKGROUND.once("muon_workers", lambda: run_workers(tmp.mktemp("muon_workers")))
 
 
 @pytest.fixture(scope="module")
