@@ -8,8 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
-from torch._inductor.compile_fx import compile_fx
-from torch._inductor.compile_fx import compile_fx_inner
 from torch.nn.attention.flex_attention import flex_attention
 
 from train_gpt import BLOCK_SIZE
@@ -282,9 +280,12 @@ class RecordingInductor:
     def __call__(self, graph_module, example_inputs):
         self.frames += 1
         self.graphs.append(graph_module)
+        # imported here: inductor's compiler is seconds of every session's collection otherwise
+        from torch._inductor.compile_fx import compile_fx
         return compile_fx(graph_module, example_inputs, inner_compile=self.lower)
 
     def lower(self, graph_module, example_inputs, *args, **kwargs):
+        from torch._inductor.compile_fx import compile_fx_inner
         self.graphs.append(graph_module)
         return compile_fx_inner(graph_module, example_inputs, *args, **kwargs)
 
