@@ -1,33 +1,15 @@
 """pytest's fixtures and hooks: synthetic shards with learnable structure, the smoke runs that tests
 share, the background queue started at session start (its jobs' wall times printed at the end), and
-no process left behind. The shared functions live in tests/helpers.py; the names below stay
-importable from here."""
+no process left behind. The shared functions live in tests/helpers.py, which test modules import."""
 import signal
 
 import pytest
 from helpers import BACKGROUND
-from helpers import LAUNCH_VARIABLES
-from helpers import LN_VOCAB
-from helpers import MALLOC_KEEP
-from helpers import PROFILE
-from helpers import REPO
-from helpers import SESSION_ENV
-from helpers import Background
 from helpers import SmokeRuns
-from helpers import finished_log
 from helpers import kill_every_live_group
-from helpers import launch_env
-from helpers import load_records_script
 from helpers import markov_stream
-from helpers import run_trainer
-from helpers import smoke_marked
-from helpers import unigram_entropy
 
 import train_gpt
-
-__all__ = ["BACKGROUND", "LAUNCH_VARIABLES", "LN_VOCAB", "MALLOC_KEEP", "PROFILE", "REPO",
-           "SESSION_ENV", "Background", "SmokeRuns", "finished_log", "launch_env",
-           "load_records_script", "markov_stream", "run_trainer", "smoke_marked", "unigram_entropy"]
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BACKGROUND
-from conftest import launch_env
-from conftest import load_records_script
+from helpers import BACKGROUND
+from helpers import launch_env
+from helpers import load_records_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "ab.py"

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BACKGROUND
-from conftest import LN_VOCAB
-from conftest import launch_env
-from conftest import load_records_script
-from conftest import smoke_marked
+from helpers import BACKGROUND
+from helpers import LN_VOCAB
+from helpers import launch_env
+from helpers import load_records_script
 from helpers import run_process
+from helpers import smoke_marked
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]

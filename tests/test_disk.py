@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 import torch
+from helpers import at_step
 from helpers import finished_log
 from helpers import tiny
 from two_rank_worker import scenario
@@ -119,17 +120,6 @@ def fill(folder, spare):
     usage = os.statvfs(folder)
     with open(os.path.join(folder, "filler"), "wb") as f:
         os.posix_fallocate(f.fileno(), 0, usage.f_bavail * usage.f_frsize - spare)
-
-
-def at_step(monkeypatch, actions):
-    """Run actions[step]() just before the stop check of that step."""
-    agreed = train_gpt.CleanStop.agreed
-
-    def with_action(self, step):
-        actions.get(step, lambda: None)()
-        return agreed(self, step)
-
-    monkeypatch.setattr(train_gpt.CleanStop, "agreed", with_action)
 
 
 @pytest.mark.slow

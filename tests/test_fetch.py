@@ -29,6 +29,7 @@ import cached_fineweb10B
 import fetch_hub
 import numpy as np
 import pytest
+from helpers import hub_environment
 from helpers import launch_env
 from helpers import run_process
 from helpers import started
@@ -77,29 +78,6 @@ def env_for(endpoint: str, tmp_path: Path, download_timeout: int = 5) -> dict[st
         SSL_CERT_DIR=str(authorities),
     )
     return env
-
-
-@contextlib.contextmanager
-def hub_environment(env: dict[str, str]):
-    """os.environ as `env`, and huggingface_hub's constants read from it again, as a fresh process
-    reads them on import; afterwards both as they were, and the client's connections closed, as
-    at a process's end (no keep-alive connection reaches the next run)."""
-    import huggingface_hub
-    from huggingface_hub import constants
-
-    saved = dict(os.environ)
-    for name in set(saved) - set(env):
-        del os.environ[name]
-    os.environ.update(env)
-    importlib.reload(constants)
-    try:
-        yield
-    finally:
-        huggingface_hub.close_session()
-        for name in set(os.environ) - set(saved):
-            del os.environ[name]
-        os.environ.update(saved)
-        importlib.reload(constants)
 
 
 def fetch(hub: FakeHub | str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

@@ -22,8 +22,8 @@ import tiktoken
 import torch
 from helpers import BACKGROUND
 from helpers import REPO
-from helpers import launch_env
 from helpers import run_process
+from helpers import worker_env
 
 import train_gpt
 from evals import common
@@ -214,7 +214,6 @@ ONE_TRAINER = """
 import glob
 import os
 import sys
-sys.path.insert(0, {repo!r})
 
 
 def trainers():
@@ -257,7 +256,8 @@ def one_trainer_run(request):
                                   ranks=str(RANKS),
                                   checkpoints=str(folder / "logs" / "*" / "state_step000001.pt"))
         command = [sys.executable, "-c", code]
-        env = launch_env(OMP_NUM_THREADS="1")
+        # the repository importable through PYTHONPATH, whatever the working directory
+        env = worker_env(OMP_NUM_THREADS="1")
         BACKGROUND.once("one_trainer", lambda: (folder, run_process(command, 600, cwd=folder,
                                                                       env=env)))
     return BACKGROUND.futures["one_trainer"]

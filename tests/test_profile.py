@@ -7,8 +7,8 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import load_records_script
-from conftest import smoke_marked
+from helpers import load_records_script
+from helpers import smoke_marked
 
 from train_gpt import Hyperparameters
 

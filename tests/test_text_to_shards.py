@@ -3,9 +3,7 @@ hub in; shards out, read with the trainer's own reader and compared with an inde
 of every document. Most runs are in this process with a tiny byte-level encoding (one token per
 UTF-8 byte), so that decoding is plain bytes; GPT-2's real BPE where ../shared has its ranks
 file."""
-import contextlib
 import gzip
-import importlib
 import json
 import os
 import subprocess
@@ -17,8 +15,9 @@ import numpy as np
 import pytest
 import text_to_shards
 import tiktoken
-from conftest import REPO
-from conftest import finished_log
+from helpers import REPO
+from helpers import finished_log
+from helpers import hub_environment
 from tiktoken_ext.openai_public import r50k_pat_str
 
 import train_gpt
@@ -402,33 +401,6 @@ configs:
 ---
 # A stand-in dataset
 """
-
-@contextlib.contextmanager
-def hub_environment(env):
-    """os.environ as `env`, and huggingface_hub's constants read from it again, as a fresh process
-    reads them on import (HF_ENDPOINT, say); afterwards both as they were, the client's
-    connections closed and its progress bars as they were, as at a process's end."""
-    import huggingface_hub
-    from huggingface_hub import constants
-    from huggingface_hub.utils import are_progress_bars_disabled
-
-    bars_off = are_progress_bars_disabled()
-    saved = dict(os.environ)
-    for name in set(saved) - set(env):
-        del os.environ[name]
-    os.environ.update(env)
-    importlib.reload(constants)
-    try:
-        yield
-    finally:
-        huggingface_hub.close_session()
-        for name in set(os.environ) - set(saved):
-            del os.environ[name]
-        os.environ.update(saved)
-        importlib.reload(constants)
-        if not bars_off:
-            huggingface_hub.utils.enable_progress_bars()
-
 
 def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
     fetch_hub = pytest.importorskip("fetch_hub")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import text_to_shards
 import tiktoken
-from conftest import REPO
+from helpers import REPO
 from helpers import kill_group
 from helpers import launch_env
 from helpers import start_process

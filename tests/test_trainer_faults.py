@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import at_step
 from helpers import finished_log
 from two_rank_worker import scenario
 from two_rank_worker import shards
@@ -103,17 +104,6 @@ def test_a_glob_character_is_named_even_where_no_escape_would_match(tmp_path, ca
     assert "[ and ? are glob characters: " in line
     assert "run[[]1]/t_*' matches them as such; else fetch FineWeb" in line
     assert "cached_fineweb10B" in line
-
-
-def at_step(monkeypatch, actions):
-    """Run actions[step]() just before the stop check of that step."""
-    agreed = train_gpt.CleanStop.agreed
-
-    def with_action(self, step):
-        actions.get(step, lambda: None)()
-        return agreed(self, step)
-
-    monkeypatch.setattr(train_gpt.CleanStop, "agreed", with_action)
 
 
 # in this process: steps of one 128-token micro-batch, 300-token shards holding 2 (shard 2 opens at
