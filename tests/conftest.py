@@ -26,8 +26,8 @@ def markov_shards(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smoke_runs(markov_shards, tmp_path_factory):
-    return SmokeRuns(markov_shards, tmp_path_factory)
+def smoke_runs(markov_shards, tmp_path_factory, request):
+    return SmokeRuns(markov_shards, tmp_path_factory, request)
 
 
 @pytest.fixture(scope="session")

@@ -137,8 +137,8 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
 # Each job's expected seconds (one core, the suite running beside it), from runs on the 2-core AVX2
 # EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
 # queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS.
-JOB_SECONDS = {"smoke_1proc": 48, "compile_twice": 17, "real_smoke_ab": 12, "two_rank_launch": 15,
-               "short_2proc": 14, "failing_rank_under_run_sh": 11, "muon_workers": 10,
+JOB_SECONDS = {"smoke_1proc": 48, "two_rank_launch": 20, "compile_twice": 17, "real_smoke_ab": 12,
+               "failing_rank_under_run_sh": 11, "muon_workers": 10,
                "rank_killed_under_run_sh": 9, "option_error_under_run_sh": 8, "one_trainer": 7,
                "hellaswag_2proc": 6, "stopped_under_nohup": 4, "closed_stdout": 3,
                "compare_script": 2}
@@ -443,13 +443,23 @@ EXIT_CODES = re.compile(r"^exit code (\S+)$", re.M)
 TINY_MODEL = ["--num_layers", "6", "--model_dim", "16", "--num_heads", "1"]
 
 
+def short_options(train, val):
+    """The short run on the Markov shards: 4 steps of 256 tokens, 2 micro-batches of 128 on 1
+    process, 1 on each of 2; it validates every 2 steps on two sequences; tiny()'s model."""
+    return ["--train_files", train, "--val_files", val, *TINY_MODEL, "--num_iterations", "4",
+            "--val_loss_every", "2", "--batch_size", "256", "--max_device_batch_size", "128",
+            "--val_tokens", "256"]
+
+
 class SmokeRuns:
     """Smoke-preset runs on the Markov shards, made once per session and shared by the tests. A
     background job is one process (or one torchrun launch); some jobs make several runs."""
 
-    def __init__(self, shards, tmp_path_factory):
+    def __init__(self, shards, tmp_path_factory, request):
         self.train, self.val, _ = shards
         self.tmp = tmp_path_factory
+        # the session's, for the 2-rank launch
+        self.request = request
         self.logs = {}
         self.stdout = {}
         # run name -> (its log folder, its background job, its place among the job's runs)
@@ -530,18 +540,25 @@ class SmokeRuns:
             self.launching = False
 
     def short_options(self):
-        """The short run on the Markov shards: 4 steps of 256 tokens, 2 micro-batches of 128 on 1
-        process, 1 on each of 2; it validates every 2 steps on two sequences; tiny()'s model."""
-        return ["--train_files", self.train, "--val_files", self.val, *TINY_MODEL,
-                "--num_iterations", "4", "--val_loss_every", "2", "--batch_size", "256",
-                "--max_device_batch_size", "128", "--val_tokens", "256"]
+        return short_options(self.train, self.val)
 
     def short(self, nproc):
         """The same short run as 1 and as 2 processes (short_options). The 1-process run saves a
         checkpoint at the end and goes through records/profile_run.py, its last step profiled (the
-        profiler does not change the maths); it shares its process (one_process_runs)."""
+        profiler does not change the maths); it shares its process (one_process_runs). The
+        2-process run is the first main() of tests/two_rank_worker.py's torchrun launch, before its
+        faults (one launch, 3 interpreters, for all of them)."""
         if nproc == 2:
-            return self.log("short_2proc", 2, *self.short_options())
+            from two_rank_worker import scenario
+            from two_rank_worker import two_rank_launch
+            if self.launching:
+                two_rank_launch(self.request)
+                return None
+            if "short_2proc" not in self.logs:
+                outcome = scenario(self.request, "short")
+                assert outcome.codes == [0, 0], outcome.stderr
+                self.logs["short_2proc"] = finished_log(outcome.log_dir)
+            return self.logs["short_2proc"]
         self.one_process_runs()
         return self.finished("short_1proc")
 

@@ -1,7 +1,8 @@
-"""One torchrun launch of 2 processes for three faults in turn, each a train_gpt.main() of its own:
-a launch costs 3 interpreters, each fault a few steps. Run as `torchrun ... two_rank_worker.py
-SPEC`, SPEC a JSON file of each scenario's options; the tests start it with two_rank_launch(), once,
-on the background queue, and read each scenario's outcome with scenario().
+"""One torchrun launch of 2 processes for a plain run and three faults in turn, each a
+train_gpt.main() of its own: a launch costs 3 interpreters, each run a few steps. Run as `torchrun
+... two_rank_worker.py SPEC`, SPEC a JSON file of each scenario's options; the tests start it with
+two_rank_launch(), once, on the background queue, and read each scenario's outcome with scenario().
+- "short": the smoke runs' short run as 2 processes, no fault (SmokeRuns.short(2) in helpers).
 - "shard_changed": from step 1 on, rank 0 alone reads 400 tokens in train shard 2's header (its
   node's copy changed); rank 1 reads the shard as it was (tests/test_trainer_faults.py).
 - "log_full": at step 2, rank 0's log starts failing as on a full disk (its descriptor becomes
@@ -11,7 +12,7 @@ on the background queue, and read each scenario's outcome with scenario().
   worker) and waits until the signal reached its own handler; the flag is exchanged at every step,
   so all stop after step 6 (tests/test_resume.py).
 Each scenario's process groups get names of their own in torchrun's store (a new process would:
-names counted from 0 again would read the addresses of the last scenario's). The first two each run
+names counted from 0 again would read the addresses of the last scenario's). All but the last run
 under a run id of their own (rank 0's store of failed ranks' lines is then theirs alone), with
 stdout and stderr in files of their own per rank, and each rank's exit code and error file (the last
 line torchrun's report quotes) kept in files, the error file then removed. The last writes to
@@ -31,8 +32,8 @@ import train_gpt
 
 REPO = Path(__file__).resolve().parent.parent
 
-SCENARIOS = ("shard_changed", "log_full", "stopped")
-# the step at which each scenario's fault comes (on rank 0)
+SCENARIOS = ("short", "shard_changed", "log_full", "stopped")
+# the step at which each scenario's fault comes (on rank 0); "short" has none
 FAULT_AT = {"shard_changed": 1, "log_full": 2, "stopped": 5}
 
 
@@ -87,6 +88,7 @@ def two_rank_launch(request):
     fails fails the launch's tests, not the session."""
     from helpers import BACKGROUND
     from helpers import run_process
+    from helpers import short_options
     from helpers import tiny
     from helpers import worker_env
     if "two_rank_launch" in BACKGROUND.futures:
@@ -104,6 +106,8 @@ def two_rank_launch(request):
     folder = factory.mktemp("two_rank_launch")
     train, val = shards(folder / "data")
     argv = {
+        "short": ["--preset", "smoke", *short_options(*markov_shards[:2]), "--log_dir",
+                  str(folder / "short")],
         "shard_changed": tiny_run(train, val, folder / "shard_changed", "--save_checkpoint",
                                   "true"),
         "log_full": tiny(markov_shards, folder / "log_full", "--val_loss_every", "0",
@@ -122,7 +126,7 @@ def two_rank_launch(request):
 
 def scenario(request, name):
     """A scenario's outcome, once the launch has ended: its log folder, the launch's result, and
-    for the first two, each rank's stderr, exit code and last line left for torchrun (the last
+    for all but the last, each rank's stderr, exit code and last line left for torchrun (the last
     scenario's are the launch's)."""
     result = two_rank_launch(request).result()
     folder = Path(result.args[-1]).parent
@@ -167,13 +171,13 @@ def run_scenario(name, argv, folder, shard):
     read_shard_header = train_gpt.read_shard_header
 
     def agreed_after_the_fault(self, step):
-        if step == FAULT_AT[name] and rank == "0":
+        if step == FAULT_AT.get(name) and rank == "0":
             fault(name, shard, self)
         return agreed(self, step)
 
     train_gpt.CleanStop.agreed = agreed_after_the_fault
     stop_check_every = train_gpt.STOP_CHECK_EVERY
-    if name != "shard_changed":
+    if name in ("log_full", "stopped"):
         train_gpt.STOP_CHECK_EVERY = 1
     own_output = name != SCENARIOS[-1]
     if own_output:
