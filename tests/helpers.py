@@ -66,10 +66,32 @@ LIVE_GROUPS = set()
 LIVE_LOCK = threading.Lock()
 
 
+def descendants(pid):
+    """The processes under pid, found through /proc's parent links (none where there is no /proc).
+    torchrun starts each worker in a session of its own, out of its launcher's process group."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # the fields after the command's closing parenthesis: state, parent, ...
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found = []
+    frontier = [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
 def kill_group(process):
-    """Kill the process and everything it started (torchrun's workers, run.sh's children)."""
+    """Kill the process and everything it started: its group (run.sh's children) and every
+    descendant, listed first (torchrun's workers, each in a session of its own)."""
+    tree = descendants(process.pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     with LIVE_LOCK:
         LIVE_GROUPS.discard(process)
 
