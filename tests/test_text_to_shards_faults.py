@@ -16,7 +16,6 @@ import pytest
 import text_to_shards
 import tiktoken
 from helpers import REPO
-from helpers import kill_group
 from helpers import launch_env
 from helpers import start_process
 
@@ -180,28 +179,14 @@ def test_a_killed_worker_ends_the_run_in_one_line_and_a_rerun_gives_the_same_byt
 @needs_proc
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_a_running_owner_keeps_its_lock_until_a_stop_signal_ends_it_and_its_workers(
-        tmp_path, corpus, capsys, signum):
-    """While the run works, another run (in this process) is refused in one line naming it; a stop
-    signal then ends the run and its workers, and a rerun goes on to the same bytes."""
+def test_a_stop_signal_ends_the_run_and_its_workers_and_a_rerun_goes_on(tmp_path, corpus, signum):
     paths, whole = corpus
     out = tmp_path / "out"
-    process, workers_dir = start(paths, out, tmp_path, slow=0.2)
-    try:
-        workers = worker_pids(process, workers_dir, 2)
-        capsys.readouterr()
-        assert make(paths, out) == 1
-        last = capsys.readouterr().err.strip().splitlines()[-1]
-        owner = f"pid {process.pid} on {socket.gethostname()}"
-        expected = f"error: another run ({owner}) is writing to {out}; wait for it to finish, or "
-        assert last == expected + "stop it"
-        # as a terminal sends it: to the whole process group
-        os.killpg(process.pid, signum)
-        status, last = finish(process)
-    finally:
-        # a failed check leaves no run behind
-        kill_group(process)
-        process.wait()
+    process, workers_dir = start(paths, out, tmp_path)
+    workers = worker_pids(process, workers_dir, 2)
+    # as a terminal sends it: to the whole process group
+    os.killpg(process.pid, signum)
+    status, last = finish(process)
     assert status == 130
     assert last.startswith(f"interrupted: the finished shards in {out} are kept"), last
     assert gone(workers)
@@ -225,6 +210,23 @@ def test_workers_end_with_a_killed_run_whose_lock_the_rerun_takes_over(tmp_path,
     owner = f"pid {process.pid} on {socket.gethostname()}"
     assert f"the run that was writing to {out} ({owner}) is gone: taking over its lock" in err
     assert file_bytes(out) == whole
+
+
+@pytest.mark.slow
+def test_a_running_owner_keeps_its_lock(tmp_path, corpus, capsys):
+    paths, whole = corpus
+    out = tmp_path / "out"
+    process, workers_dir = start(paths, out, tmp_path, slow=0.2)
+    try:
+        worker_pids(process, workers_dir, 2)
+        assert make(paths, out) == 1
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        owner = f"pid {process.pid} on {socket.gethostname()}"
+        expected = f"error: another run ({owner}) is writing to {out}; wait for it to finish, or "
+        assert last == expected + "stop it"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        finish(process)
 
 
 # Changed inputs ----------------------------------------------------------------------------------
