@@ -28,8 +28,12 @@ DOCUMENTS = 150
 # pid into WORKERS_DIR on its first chunk and then takes SLOW seconds per chunk, so that a test can
 # act while the run is in the middle of its work
 CHILD = """
-import os, sys, time, tiktoken
+import os, signal, sys, time, tiktoken
 import text_to_shards
+# as a terminal's Python starts, whatever the suite's process left blocked or ignored: Ctrl-C
+# raises KeyboardInterrupt, the stop signals arrive
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+signal.signal(signal.SIGINT, signal.default_int_handler)
 ranks = {bytes([b]): b for b in range(256)}
 encoding = tiktoken.Encoding("bytes", pat_str=r"\\S+|\\s+", mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256})
