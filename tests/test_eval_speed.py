@@ -33,15 +33,6 @@ GPT2_IDS = 50257
 UNLIMITED = torch.tensor(1000, dtype=torch.int32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small operations on one thread: two stall at every parallel op on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @functools.cache
 def small_model(seed):
     """6 blocks of width 8 (one head), every matrix random, bf16 tables as trained; made once per

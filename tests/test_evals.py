@@ -45,16 +45,6 @@ PAIRS = tiktoken.Encoding("pairs", pat_str=r"[\s\S]+", special_tokens=END_OF_TEX
                           mergeable_ranks={bytes(p): i for i, p in enumerate(PAIRS_LIST[:EOT])})
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small operations on one thread, as in the whole suite: two stall at every parallel op on a
-    busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @functools.cache
 def random_model(seed):
     """6 blocks of width 8 (one head) in fp32, every matrix random (the head and the projections

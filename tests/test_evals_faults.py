@@ -40,16 +40,6 @@ STAND_IN = tiktoken.Encoding(
 EXAMPLE = json.dumps(dict(ctx="A man", endings=["sat.", "ran."], label=0)) + "\n"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small operations on one thread, as in the whole suite: two stall at every parallel op on a
-    busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def save_small_model(path):
     """A small random model of the trainer, saved at path as the trainer saves it (its source
     included); the global generator is left as it was."""

@@ -23,17 +23,6 @@ from train_gpt import Hyperparameters
 from train_gpt import build_block_mask
 from train_gpt import build_dense_mask
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small operations on one thread, as in the whole suite: two stall at every parallel op on a
-    busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --- attention: the block mask's mask_mod is the whole mask ---------------------------------------
 
 SEQ = 6 * BLOCK_SIZE

@@ -1,6 +1,6 @@
 """One torchrun launch of 2 processes for a plain run and three faults in turn, each a
 train_gpt.main() of its own: a launch costs 3 interpreters, each run a few steps. Run as `torchrun
-... two_rank_worker.py SPEC`, SPEC a JSON file of each scenario's options; the tests start it with
+... two_rank_worker.py PLAN`, PLAN a JSON file of each scenario's options; the tests start it with
 two_rank_launch(), once, on the background queue, and read each scenario's outcome with scenario().
 - "short": the smoke runs' short run as 2 processes, no fault (SmokeRuns.short(2) in helpers).
 - "shard_changed": from step 1 on, rank 0 alone reads 400 tokens in train shard 2's header (its
@@ -114,10 +114,10 @@ def two_rank_launch(request):
                          "--checkpoint_every", "2"),
         "stopped": ["--resume", str(checkpoints[0]), "--log_dir", str(folder / "stopped")],
     }
-    spec = folder / "spec.json"
-    spec.write_text(json.dumps(dict(argv=argv, shard=str(folder / "data" / "t_000002.bin"))))
+    plan = folder / "plan.json"
+    plan.write_text(json.dumps(dict(argv=argv, shard=str(folder / "data" / "t_000002.bin"))))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    command = [sys.executable, *launcher, str(REPO / "tests" / "two_rank_worker.py"), str(spec)]
+    command = [sys.executable, *launcher, str(REPO / "tests" / "two_rank_worker.py"), str(plan)]
 
     def run():
         return run_process(command, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
@@ -212,11 +212,11 @@ def run_scenario(name, argv, folder, shard):
     return code
 
 
-def main(spec_path):
-    spec = json.loads(Path(spec_path).read_text())
+def main(plan_path):
+    plan = json.loads(Path(plan_path).read_text())
     code = 0
     for name in SCENARIOS:
-        code = run_scenario(name, spec["argv"][name], Path(spec_path).parent, spec["shard"])
+        code = run_scenario(name, plan["argv"][name], Path(plan_path).parent, plan["shard"])
     return code
 
 
