@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import inductor_on_the_cpu
 from torch._functorch import config as functorch_config
-from torch._inductor import config as inductor_config
 from torch.nn.attention.flex_attention import flex_attention
 
 from train_gpt import BLOCK_SIZE
@@ -321,11 +321,8 @@ def compiled_attention():
     window_blocks = torch.tensor(1, dtype=torch.int32)
     eager_mask = build_block_mask(tokens, window_blocks)
     started = time.perf_counter()
-    # and g++ run from this process, one kernel at a time: a pool of compile workers starts more
-    # interpreters, and on a busy 2-core machine took far more wall time (Muon's compiled cases: 134
-    # s against about 50)
-    uncached = {"fx_graph_cache": False, "fx_graph_remote_cache": False, "compile_threads": 1}
-    with inductor_config.patch(uncached), functorch_config.patch(enable_autograd_cache=False):
+    uncached = {"fx_graph_cache": False, "fx_graph_remote_cache": False}
+    with inductor_on_the_cpu(**uncached), functorch_config.patch(enable_autograd_cache=False):
         compiled(tokens, *random_qkv(COMPILED_LENGTH), window_blocks, eager_mask)
     print(f"compiled mask and attention in {time.perf_counter() - started:.1f} s")
     return compiled, backend

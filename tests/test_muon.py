@@ -8,12 +8,12 @@ import muon_worker
 import pytest
 import torch
 from helpers import BACKGROUND
+from helpers import inductor_on_the_cpu
 from helpers import run_process
 from helpers import worker_env
 from muon_worker import SHAPES
 from muon_worker import STEPS
 from muon_worker import gradients
-from torch._inductor import config as inductor_config
 
 import train_gpt
 from train_gpt import Muon
@@ -103,11 +103,9 @@ SHAPES_FOR = {False: MIXED, True: MIXED[:3]}
 
 
 @pytest.fixture
-def serial_compile(monkeypatch):
-    """Inductor builds its C++ kernels from this process, one at a time: with its pool of compile
-    workers (more interpreters) the compiled cases took about as much CPU, and on a busy 2-core
-    machine 134 s of wall time instead of about 50."""
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)
+def cpu_inductor():
+    with inductor_on_the_cpu():
+        yield
 
 
 def aspect_scale(p):
@@ -118,7 +116,7 @@ def aspect_scale(p):
 @pytest.mark.parametrize(
     "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
 )
-def test_batched_step_gives_each_matrix_its_own_iteration(serial_compile, compiled):
+def test_batched_step_gives_each_matrix_its_own_iteration(cpu_inductor, compiled):
     """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled
     alone."""
     torch.manual_seed(3)
@@ -153,7 +151,7 @@ def muon_float64(params, grads_per_step, schedule, nesterov):
 @pytest.mark.parametrize(
     "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
 )
-def test_muon_step_matches_float64(serial_compile, compiled, nesterov):
+def test_muon_step_matches_float64(cpu_inductor, compiled, nesterov):
     torch.manual_seed(4)
     shapes = SHAPES_FOR[compiled]
     start = [torch.randn(shape) for shape in shapes]
