@@ -14,7 +14,6 @@ from helpers import launch_env
 from helpers import load_records_script
 from helpers import run_process
 from helpers import smoke_marked
-from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "compare.py"
@@ -278,6 +277,8 @@ def test_unusable_logs_raise_with_a_reason(tmp_path):
     ],
 )
 def test_t_test_matches_scipy(values, target):
+    # imported where used, here and below: SciPy's statistics are a second of every collection
+    from scipy import stats
     mean, std, t, p = compare.t_test_less(values, target)
     ref = stats.ttest_1samp(values, target, alternative="less")
     assert mean == pytest.approx(sum(values) / len(values), rel=1e-12)
@@ -588,6 +589,7 @@ WELCH_LINE = re.compile(
 
 def welch_reference(a, b):
     """B - A, its 95% interval and the one-sided test, from numpy's variances and SciPy."""
+    from scipy import stats
     a = np.array(a, dtype=np.float64)
     b = np.array(b, dtype=np.float64)
     share_a = a.var(ddof=1) / len(a)

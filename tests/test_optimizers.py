@@ -1,7 +1,6 @@
 """The optimisers and schedules are record 18's, and compiling them never recompiles per step."""
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 import train_gpt
 from train_gpt import GPT
@@ -57,6 +56,8 @@ def test_adam_eps_is_one_flag_away():
 def test_compiled_newton_schulz_compiles_once_per_stacked_shape_and_computes_the_same(monkeypatch):
     """Muon's compiled iteration: tall matrices join their wide twins' batch; later steps, with new
     lr and momentum, reuse the graphs."""
+    # imported here: torch._dynamo is seconds of every collection
+    from torch._dynamo.testing import CompileCounter
     counter = CompileCounter()  # counts the graphs dynamo compiles, runs them eagerly
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
