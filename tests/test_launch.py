@@ -326,16 +326,19 @@ def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(reque
     assert err.splitlines()[-1] == "stopped by SIGTERM" and "Traceback" not in err
 
 
-# rank 0 writes its error line first, then lingers: torchrun, as rank 1 exits first, ends it with
-# SIGTERM
+# rank 0 writes its error line first (then a file beside this script, which rank 1 waits for), then
+# lingers: torchrun, as rank 1 exits first, ends it with SIGTERM
 LINGERING_RANK_ZERO = """import os, sys, time
 import train_gpt
 tell_launcher = train_gpt.tell_launcher
+told = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0.told")
 def tell_then_linger(line, code=1):
-    if os.environ["RANK"] == "1":
-        time.sleep(2)
+    deadline = time.monotonic() + 60
+    while os.environ["RANK"] == "1" and not os.path.exists(told) and time.monotonic() < deadline:
+        time.sleep(0.01)
     tell_launcher(line, code)
     if os.environ["RANK"] == "0":
+        open(told, "w").close()
         time.sleep(30)
 train_gpt.tell_launcher = tell_then_linger
 sys.exit(train_gpt.main())
