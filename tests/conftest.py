@@ -49,15 +49,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     """Stable: the tests awaiting background work come last, when that work has had time to
-    finish."""
+    finish (and in the order of their jobs, once these are queued: launch_background_work)."""
     items.sort(key=lambda item: item.get_closest_marker("background") is not None)
-
-
-def pytest_runtest_setup(item):
-    """The tests awaiting background work come last: from the first, this thread mostly waits, so
-    its core takes jobs too."""
-    if item.get_closest_marker("background") is not None:
-        BACKGROUND.second_worker()
 
 
 def skipped(item):
@@ -65,16 +58,37 @@ def skipped(item):
     return any(mark.args and mark.args[0] for mark in item.iter_markers("skipif"))
 
 
+def starters(item):
+    """The starters named by a test's `background` marks."""
+    return [start for mark in item.iter_markers("background") for start in mark.args]
+
+
+def in_the_order_of_their_jobs(items, jobs):
+    """The tests awaiting background work, in the order in which the last job each awaits starts
+    (jobs: each starter's futures): the first find their work done, and their in-process parts run
+    beside the last jobs, not after them. pytest has already picked the one after the first test."""
+    def last_job(item):
+        return max((future.rank for start in starters(item) for future in jobs.get(start, ())),
+                   default=())
+    first = next((i for i, item in enumerate(items) if starters(item)), len(items))
+    first = max(first, 2)
+    items[first:] = sorted(items[first:], key=last_job)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def launch_background_work(request):
-    """Calls, once each, the starters named by the collected tests' `background` marks; at the end,
-    no started process is left running."""
-    marks = [mark for item in request.session.items if not skipped(item)
-             for mark in item.iter_markers("background")]
-    starters = [start for mark in marks for start in mark.args]
+    """Calls, once each, the starters named by the collected tests' `background` marks, each giving
+    its jobs' futures, and orders these tests by them; at the end, no started process is left
+    running."""
+    jobs = {}
     with BACKGROUND.held():
-        for start in dict.fromkeys(starters):
-            start(request)
+        for item in request.session.items:
+            for start in starters(item):
+                if start not in jobs and not skipped(item):
+                    futures = start(request)
+                    futures = futures if isinstance(futures, list) else [futures]
+                    jobs[start] = [future for future in futures if future is not None]
+    in_the_order_of_their_jobs(request.session.items, jobs)
     # one thread: beside background work, one core each (two threads here, on a busy core, stall
     # at every parallel op, tens of ms); and alone, the small ops of these tests spend a second
     # thread's time spinning (a tiny whole run on the shared 2-core machine: twice the CPU time,

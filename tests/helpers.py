@@ -167,17 +167,35 @@ JOB_SECONDS = {"smoke_1proc": 48, "two_rank_launch": 20, "compile_twice": 17, "r
 DEFAULT_JOB_SECONDS = 10
 
 
+class Job(concurrent.futures.Future):
+    """A background job's future. When the tests' thread is about to wait on it, a second worker
+    starts taking jobs: that thread's core would idle otherwise. `rank` orders the job among the
+    queue's."""
+
+    def __init__(self, background, rank):
+        super().__init__()
+        self.background = background
+        self.rank = rank
+
+    def result(self, timeout=None):
+        if not self.done() and threading.current_thread() is threading.main_thread():
+            self.background.second_worker()
+        return super().result(timeout)
+
+
 class Background:
     """Subprocess work run once, in a background thread, so that it overlaps the in-process
     tests (which use the other core); keyed by name. The jobs queued while `held()` (the session's
-    start) begin longest first (JOB_SECONDS), later ones in the order they come. Once the tests
-    only await this work, `second_worker()` lets two jobs run at once. Each job's wall and CPU
+    start) begin longest first (JOB_SECONDS), later ones in the order they come. Once the tests'
+    thread waits on a job, a second worker lets two jobs run at once (Job). Each job's wall and CPU
     times are kept for the report at the end of the session."""
 
     def __init__(self):
         self.futures = {}
         self.seconds = {}
         self.cpu_seconds = {}
+        # (fn, its future): in_main_thread's work, waiting for the queue to start
+        self.main_thread_work = []
         # (queued after the start, minus its expected seconds, its number, key, fn, args, kwargs,
         # future)
         self.queue = []
@@ -197,18 +215,18 @@ class Background:
     def once(self, key, fn, *args, **kwargs):
         with self.ready:
             if key not in self.futures:
-                future = concurrent.futures.Future()
-                self.futures[key] = future
                 expected = JOB_SECONDS.get(key, DEFAULT_JOB_SECONDS) if self.holding else 0
-                job = (not self.holding, -expected, len(self.futures), key, fn, args, kwargs,
-                       future)
-                heapq.heappush(self.queue, job)
+                rank = (not self.holding, -expected, len(self.futures))
+                future = Job(self, rank)
+                self.futures[key] = future
+                heapq.heappush(self.queue, (*rank, key, fn, args, kwargs, future))
                 self.ready.notify()
             return self.futures[key]
 
     @contextlib.contextmanager
     def held(self):
-        """Jobs queued in the block start when it ends, longest first."""
+        """Jobs queued in the block start when it ends, longest first; then the work given to
+        in_main_thread in the block is done, beside them."""
         with self.ready:
             self.holding = True
         try:
@@ -217,6 +235,20 @@ class Background:
             with self.ready:
                 self.holding = False
                 self.ready.notify()
+        work, self.main_thread_work = self.main_thread_work, []
+        for fn, future in work:
+            settle(future, fn)
+
+    def in_main_thread(self, fn):
+        """A future of fn(), called in this (the tests') thread, as in-process runs must be (the
+        trainer sets signal handlers): in held(), once the jobs have started (a job that needs it
+        waits on the future, while the first jobs run), else now."""
+        future = concurrent.futures.Future()
+        if self.holding:
+            self.main_thread_work.append((fn, future))
+        else:
+            settle(future, fn)
+        return future
 
     def work(self):
         while True:
@@ -224,12 +256,8 @@ class Background:
                 while self.holding or not self.queue:
                     self.ready.wait()
                 *_, key, fn, args, kwargs, future = heapq.heappop(self.queue)
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self.timed(key, fn, *args, **kwargs))
-            except BaseException as error:
-                future.set_exception(error)
+            if future.set_running_or_notify_cancel():
+                settle(future, self.timed, key, fn, *args, **kwargs)
 
     def cancel_waiting(self):
         """No new runs (after -x, Ctrl-C): the jobs not started are cancelled."""
@@ -246,6 +274,18 @@ class Background:
         finally:
             self.seconds[key] = time.perf_counter() - started_at
             self.cpu_seconds[key] = children_cpu_seconds() - cpu_before
+
+
+def settle(future, fn, *args, **kwargs):
+    """The future's result is fn's, or what it raised; a stop (Ctrl-C) is raised on as well."""
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except Exception as error:
+        future.set_exception(error)
+    except BaseException as error:
+        future.set_exception(error)
+        if threading.current_thread() is threading.main_thread():
+            raise
 
 
 def children_cpu_seconds():
@@ -458,8 +498,7 @@ def smoke_marked(*runs):
     start."""
     def start(request):
         smoke_runs = request.getfixturevalue("smoke_runs")
-        for method, *args in runs:
-            smoke_runs.launch(getattr(smoke_runs, method), *args)
+        return [smoke_runs.launch(getattr(smoke_runs, method), *args) for method, *args in runs]
     return pytest.mark.background.with_args(start)
 
 
@@ -557,9 +596,10 @@ class SmokeRuns:
         return self.results[key]
 
     def finished(self, name):
-        """None while launching; else the run's log, once its job has ended well."""
+        """While launching, the future of the run's job; else the run's log, once its job has ended
+        well."""
         if self.launching:
-            return None
+            return BACKGROUND.futures[self.runs[name][1]]
         if name not in self.logs:
             result = self.result(self.runs[name][1])
             # its place, set when its job started
@@ -574,10 +614,10 @@ class SmokeRuns:
         return self.logs[name]
 
     def launch(self, method, *args):
-        """Start a run in the background, without waiting for it."""
+        """Start a run in the background, without waiting for it; gives its job's future."""
         self.launching = True
         try:
-            method(*args)
+            return method(*args)
         finally:
             self.launching = False
 
@@ -594,8 +634,7 @@ class SmokeRuns:
             from two_rank_worker import scenario
             from two_rank_worker import two_rank_launch
             if self.launching:
-                two_rank_launch(self.request)
-                return None
+                return two_rank_launch(self.request)
             if "short_2proc" not in self.logs:
                 outcome = scenario(self.request, "short")
                 assert outcome.codes == [0, 0], outcome.stderr
@@ -615,7 +654,7 @@ class SmokeRuns:
         """(The refused run's log folder, the finished process) of one_process_runs."""
         self.one_process_runs()
         if self.launching:
-            return None
+            return self.finished("refused_without_triton")
         log_dir, key, _ = self.runs["refused_without_triton"]
         return log_dir, self.result(key)
 

@@ -83,9 +83,10 @@ def reference_run(markov_shards, tmp_path_factory):
 
 
 def two_rank_launch(request):
-    """The starter of the `background` marks of the tests that read the launch: the reference run
-    (whose checkpoint the last scenario resumes), then the launch, queued once. A reference that
-    fails fails the launch's tests, not the session."""
+    """The starter of the `background` marks of the tests that read the launch, queued once; the
+    launch waits for the reference run (whose checkpoint the last scenario resumes), made in this
+    thread once the session's first jobs have started. A reference that fails fails the launch's
+    tests, not the session."""
     from helpers import BACKGROUND
     from helpers import run_process
     from helpers import short_options
@@ -95,31 +96,28 @@ def two_rank_launch(request):
         return BACKGROUND.futures["two_rank_launch"]
     markov_shards = request.getfixturevalue("markov_shards")
     factory = request.getfixturevalue("tmp_path_factory")
-    try:
-        _, checkpoints = reference_run(markov_shards, factory)
-    except Exception as error:
-        failure = error
-
-        def fail():
-            raise AssertionError("the reference run, resumed by the launch, failed") from failure
-        return BACKGROUND.once("two_rank_launch", fail)
+    reference = BACKGROUND.in_main_thread(lambda: reference_run(markov_shards, factory))
     folder = factory.mktemp("two_rank_launch")
     train, val = shards(folder / "data")
-    argv = {
-        "short": ["--preset", "smoke", *short_options(*markov_shards[:2]), "--log_dir",
-                  str(folder / "short")],
-        "shard_changed": tiny_run(train, val, folder / "shard_changed", "--save_checkpoint",
-                                  "true"),
-        "log_full": tiny(markov_shards, folder / "log_full", "--val_loss_every", "0",
-                         "--checkpoint_every", "2"),
-        "stopped": ["--resume", str(checkpoints[0]), "--log_dir", str(folder / "stopped")],
-    }
     plan = folder / "plan.json"
-    plan.write_text(json.dumps(dict(argv=argv, shard=str(folder / "data" / "t_000002.bin"))))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     command = [sys.executable, *launcher, str(REPO / "tests" / "two_rank_worker.py"), str(plan)]
 
     def run():
+        try:
+            _, checkpoints = reference.result()
+        except Exception as error:
+            raise AssertionError("the reference run, resumed by the launch, failed") from error
+        argv = {
+            "short": ["--preset", "smoke", *short_options(*markov_shards[:2]), "--log_dir",
+                      str(folder / "short")],
+            "shard_changed": tiny_run(train, val, folder / "shard_changed", "--save_checkpoint",
+                                      "true"),
+            "log_full": tiny(markov_shards, folder / "log_full", "--val_loss_every", "0",
+                             "--checkpoint_every", "2"),
+            "stopped": ["--resume", str(checkpoints[0]), "--log_dir", str(folder / "stopped")],
+        }
+        plan.write_text(json.dumps(dict(argv=argv, shard=str(folder / "data" / "t_000002.bin"))))
         return run_process(command, 300, cwd=REPO, env=worker_env(OMP_NUM_THREADS="1"))
     return BACKGROUND.once("two_rank_launch", run)
 
