@@ -229,15 +229,21 @@ class Background:
         in_main_thread in the block is done, beside them."""
         with self.ready:
             self.holding = True
+        stopped = True
         try:
             yield
+            stopped = False
         finally:
             with self.ready:
                 self.holding = False
                 self.ready.notify()
-        work, self.main_thread_work = self.main_thread_work, []
-        for fn, future in work:
-            settle(future, fn)
+            work, self.main_thread_work = self.main_thread_work, []
+            for fn, future in work:
+                # after an error in the block, a job waiting on this work fails instead
+                if stopped:
+                    future.cancel()
+                else:
+                    settle(future, fn)
 
     def in_main_thread(self, fn):
         """A future of fn(), called in this (the tests') thread, as in-process runs must be (the
