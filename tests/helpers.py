@@ -323,12 +323,13 @@ def inductor_on_the_cpu(**extra):
     """What compiles in the tests: inductor's C++ built from this process, one compiler at a time
     (a pool of compile workers starts more interpreters: on a busy 2-core machine Muon's compiled
     cases took 134 s of wall time instead of about 50); each graph with its kernels as one C++
-    library, one g++ run (cpp_wrapper; a run per kernel took 67 s of CPU for the masks' and Muon's
-    graphs, a run per graph 55 s); the vector instructions the CPU reports taken as usable, without
-    building a probe first (4 s of g++); the headers read by each run, not first precompiled into a
-    143 MB file outside inductor's cache folder (8 s for two runs that then took 3 s less each). The
-    graphs and kernels inductor makes are the same. With `extra` inductor options. Imported here:
-    inductor is seconds of every session's collection."""
+    library, one g++ run (cpp_wrapper: the masks' and Muon's compiled tests took 63 s of CPU with a
+    run per kernel, 52 s with one per graph); the vector instructions the CPU reports taken as
+    usable, without building a probe first (4 s of g++); the headers read by each run, not first
+    precompiled into a 143 MB file outside inductor's cache folder (8 s, for two runs that then took
+    about 3 s less each). The graphs and the kernels' code are inductor's as before; only the glue
+    that calls them is C++. With `extra` inductor options. Imported here: inductor is seconds of
+    every session's collection."""
     from torch._inductor import config as inductor_config
     options = {"compile_threads": 1, "cpp_wrapper": True, "cpp.vec_isa_ok": True,
                "cpp_cache_precompile_headers": False, **extra}
