@@ -1,6 +1,7 @@
 """pytest's fixtures and hooks: synthetic shards with learnable structure, the smoke runs that tests
 share, the background queue started at session start (its jobs' wall times printed at the end), and
 no process left behind. The shared functions live in tests/helpers.py, which test modules import."""
+import gc
 import signal
 
 import pytest
@@ -112,3 +113,10 @@ def pytest_terminal_summary(terminalreporter):
     total = sum(BACKGROUND.seconds.values())
     cpu = sum(BACKGROUND.cpu_seconds.values())
     terminalreporter.write_line(f"{total:7.1f}s ({cpu:6.1f}s) in all")
+
+
+def pytest_unconfigure(config):
+    """One full collection, then the survivors frozen: pytest's own collections at its end (five)
+    and the interpreter's at exit skip torch's objects, seconds of a session that compiled."""
+    gc.collect()
+    gc.freeze()
