@@ -159,11 +159,10 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
 # Each job's expected seconds (one core, the suite running beside it), from runs on the 2-core AVX2
 # EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
 # queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS.
-JOB_SECONDS = {"smoke_1proc": 48, "two_rank_launch": 20, "compile_twice": 17, "real_smoke_ab": 12,
-               "failing_rank_under_run_sh": 11, "muon_workers": 10,
-               "rank_killed_under_run_sh": 9, "option_error_under_run_sh": 8, "one_trainer": 7,
-               "hellaswag_2proc": 6, "stopped_under_nohup": 4, "closed_stdout": 3,
-               "compare_script": 2}
+JOB_SECONDS = {"smoke_1proc": 48, "launch": 22, "compile_twice": 17, "real_smoke_ab": 12,
+               "failing_rank_under_run_sh": 11, "rank_killed_under_run_sh": 9,
+               "option_error_under_run_sh": 8, "one_trainer": 7, "stopped_under_nohup": 4,
+               "closed_stdout": 3, "compare_script": 2}
 DEFAULT_JOB_SECONDS = 10
 
 
@@ -638,17 +637,17 @@ class SmokeRuns:
         """The same short run as 1 and as 2 processes (short_options). The 1-process run saves a
         checkpoint at the end and goes through records/profile_run.py, its last step profiled (the
         profiler does not change the maths); it shares its process (one_process_runs). The
-        2-process run is the first main() of tests/two_rank_worker.py's torchrun launch, before its
-        faults (one launch, 3 interpreters, for all of them)."""
+        2-process run is a part of tests/launch_worker.py's torchrun launch, before its faults (one
+        launch for them all)."""
         if nproc == 2:
-            from two_rank_worker import scenario
-            from two_rank_worker import two_rank_launch
+            from launch_worker import launch_part
+            from launch_worker import outcome
             if self.launching:
-                return two_rank_launch(self.request)
+                return launch_part("short")(self.request)
             if "short_2proc" not in self.logs:
-                outcome = scenario(self.request, "short")
-                assert outcome.codes == [0, 0], outcome.stderr
-                self.logs["short_2proc"] = finished_log(outcome.log_dir)
+                short = outcome(self.request, "short")
+                assert short.codes == [0, 0], short.stderr
+                self.logs["short_2proc"] = finished_log(short.log_dir)
             return self.logs["short_2proc"]
         self.one_process_runs()
         return self.finished("short_1proc")

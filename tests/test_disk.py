@@ -14,10 +14,10 @@ import torch
 from helpers import at_step
 from helpers import finished_log
 from helpers import tiny
-from two_rank_worker import scenario
-from two_rank_worker import shards
-from two_rank_worker import tiny_run
-from two_rank_worker import two_rank_launch
+from launch_worker import launch_part
+from launch_worker import outcome
+from launch_worker import shards
+from launch_worker import tiny_run
 
 import train_gpt
 
@@ -223,13 +223,13 @@ def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards,
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
-@pytest.mark.background.with_args(two_rank_launch)
+@pytest.mark.background.with_args(launch_part("log_full"))
 def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(request):
-    """Rank 0's log fails from step 2 on, on 2 processes under torchrun (a scenario of
-    tests/two_rank_worker.py's launch), a checkpoint every 2 steps. Rank 1 learns it with the stop
+    """Rank 0's log fails from step 2 on, on 2 processes under torchrun (a part of
+    tests/launch_worker.py's launch), a checkpoint every 2 steps. Rank 1 learns it with the stop
     flag, as of a signal: both stop after step 4, whose checkpoint (a collective: rank 1 sends its
     Muon momenta) is written."""
-    log_full = scenario(request, "log_full")
+    log_full = outcome(request, "log_full")
     log = finished_log(log_full.log_dir)
     checkpoint = log_full.log_dir / log.stem / "state_step000004.pt"
     stderr = "".join(log_full.stderr)

@@ -8,22 +8,17 @@ import http.server
 import json
 import random
 import re
-import socket
-import subprocess
-import sys
 import threading
 from dataclasses import asdict
 
 import pytest
 import tiktoken
 import torch
-from helpers import BACKGROUND
 from helpers import REPO
 from helpers import finished_log
-from helpers import kill_group
-from helpers import launch_env
 from helpers import smoke_marked
-from helpers import start_process
+from launch_worker import launch
+from launch_worker import outcome
 
 import train_gpt
 from evals import common
@@ -356,54 +351,39 @@ def test_tools_read_a_checkpoint_the_trainer_wrote(smoke_runs, tmp_path, capsys,
     assert capsys.readouterr().out.startswith("Once upon")
 
 
-def two_process_hellaswag(request):
-    """The tool in 2 processes, started as torchrun starts them (its environment, without the
-    launcher), on a checkpoint and examples made here in the main thread (initialisation draws from
-    the global generator); started at session start."""
-    if "hellaswag_2proc" not in BACKGROUND.futures:
-        folder = request.getfixturevalue("tmp_path_factory").mktemp("hellaswag_2proc")
-        checkpoint = write_checkpoint(folder / "state.pt", tiny_model(torch.float32, seed=1))
-        data = write_jsonl(folder / "val.jsonl", random_examples(seed=6, count=3))
-        command = [sys.executable, str(REPO / "evals" / "hellaswag.py"), str(checkpoint), "--data",
-                   str(data), "--tokenizer", str(RANKS)]
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
+# the checkpoint and examples of the 2-process run, made once
+TWO_PROCESSES = {}
 
-        def run():
-            processes = []
-            for rank in range(2):
-                # torchrun's agent sets TORCHELASTIC_RUN_ID too: without it, the variables would
-                # be leftovers, refused
-                env = launch_env(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
-                                 WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                 MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="two_processes")
-                processes.append(start_process(command, env=env, stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE, text=True))
-            try:
-                outputs = [process.communicate(timeout=600) for process in processes]
-            finally:
-                for process in processes:
-                    kill_group(process)
-            return checkpoint, data, [process.returncode for process in processes], outputs
-        BACKGROUND.once("hellaswag_2proc", run)
-    return BACKGROUND.futures["hellaswag_2proc"]
+
+def two_process_hellaswag(request):
+    """The tool on 2 processes under torchrun (a part of tests/launch_worker.py's launch), on a
+    checkpoint and examples made here in the main thread (initialisation draws from the global
+    generator); gives the launch's future."""
+    if not TWO_PROCESSES:
+        folder = request.getfixturevalue("tmp_path_factory").mktemp("hellaswag_2proc")
+        model = tiny_model(torch.float32, seed=1)
+        TWO_PROCESSES["checkpoint"] = write_checkpoint(folder / "state.pt", model)
+        examples = random_examples(seed=6, count=3)
+        TWO_PROCESSES["data"] = write_jsonl(folder / "val.jsonl", examples)
+    argv = [str(TWO_PROCESSES["checkpoint"]), "--data", str(TWO_PROCESSES["data"]), "--tokenizer",
+            str(RANKS)]
+    return launch(request, "hellaswag", argv)
 
 
 @pytest.mark.slow
 @needs_ranks
 @pytest.mark.background.with_args(two_process_hellaswag)
 def test_two_processes_score_as_one(request):
-    checkpoint, data, returncodes, outputs = two_process_hellaswag(request).result()
-    assert returncodes == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    model, options = common.load_model(checkpoint, CPU)
-    rendered, labels = hellaswag.prepare(data, RANKS)
+    part = outcome(request, "hellaswag")
+    assert part.codes == [0, 0], part.stderr[0][-3000:] + part.stderr[1][-3000:]
+    model, options = common.load_model(TWO_PROCESSES["checkpoint"], CPU)
+    rendered, labels = hellaswag.prepare(TWO_PROCESSES["data"], RANKS)
     window_blocks = common.trained_window_blocks(options)
     acc_norm, acc, n, _ = hellaswag.evaluate(model, rendered, labels, window_blocks, CPU)
     # rank 0 prints the counts summed over both; rank 1 prints nothing
-    lines = outputs[0][0].splitlines()
+    lines = part.stdout[0].splitlines()
     assert lines[-1] == hellaswag.result_line(acc_norm, acc, n) and n == 3
-    assert " on 2 x cpu " in lines[-2] and outputs[1][0] == ""
+    assert " on 2 x cpu " in lines[-2] and part.stdout[1] == ""
 
 
 @pytest.mark.slow

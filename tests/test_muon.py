@@ -1,16 +1,13 @@
 """Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64),
 and Muon in 2 and 3 processes against 1."""
 import os
-import sys
-from pathlib import Path
 
 import muon_worker
 import pytest
 import torch
-from helpers import BACKGROUND
 from helpers import inductor_on_the_cpu
-from helpers import run_process
-from helpers import worker_env
+from launch_worker import launch_part
+from launch_worker import outcome
 from muon_worker import SHAPES
 from muon_worker import STEPS
 from muon_worker import gradients
@@ -178,25 +175,6 @@ def test_muon_step_matches_float64(cpu_inductor, compiled, nesterov):
 
 # --- Muon, distributed ------------------------------------------------------------------------
 
-WORKER = Path(__file__).with_name("muon_worker.py")
-
-
-def run_workers(out_dir):
-    """One torchrun launch of 3 processes with gloo, the way the trainer runs: the worker runs Muon
-    in the world of 3, then ranks 0 and 1 in a world of 2 (4 interpreters, not the 7 of a launch per
-    world size); its stderr, exit code and the saved result per world size."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
-    result = run_process([sys.executable, *launcher, str(WORKER), str(out_dir)], 300,
-                         env=worker_env(OMP_NUM_THREADS="1"))
-    return {n: (result.stderr, result.returncode, out_dir / f"{n}.pt") for n in (2, 3)}
-
-
-def muon_workers(request):
-    """The 3- and 2-process runs, started in the background at session start (the test's mark)."""
-    tmp = request.getfixturevalue("tmp_path_factory")
-    return BACKGROUND.once("muon_workers", lambda: run_workers(tmp.mktemp("muon_workers")))
-
-
 @pytest.fixture(scope="module")
 def one_process():
     """The worker's training in this process: world size 1, no process group."""
@@ -224,14 +202,15 @@ def test_muon_one_process_matches_plain_muon(one_process):
 
 
 @pytest.mark.slow
-@pytest.mark.background.with_args(muon_workers)
+@pytest.mark.background.with_args(launch_part("muon"))
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_muon_processes_match_one(request, one_process, nproc):
     """Uneven shares and groups smaller than the world (see SHAPES): every matrix is still applied
-    once."""
-    stderr, returncode, out_path = muon_workers(request).result()[nproc]
-    assert returncode == 0, stderr[-3000:]
-    for a, b in zip(one_process, torch.load(out_path)):
+    once. In the first part of tests/launch_worker.py's torchrun launch (3 processes, then ranks 0
+    and 1 alone)."""
+    muon = outcome(request, "muon")
+    assert muon.codes == [0, 0, 0], "".join(muon.stderr)[-3000:]
+    for a, b in zip(one_process, torch.load(muon.log_dir / f"{nproc}.pt")):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 

@@ -15,9 +15,9 @@ from helpers import finished_log
 from helpers import step_lines
 from helpers import tiny
 from helpers import val_losses
-from two_rank_worker import reference_run
-from two_rank_worker import scenario
-from two_rank_worker import two_rank_launch
+from launch_worker import launch_part
+from launch_worker import outcome
+from launch_worker import reference_run
 
 import train_gpt
 
@@ -152,14 +152,14 @@ def reference(markov_shards, tmp_path_factory):
     return reference_run(markov_shards, tmp_path_factory)
 
 
-@pytest.mark.background.with_args(two_rank_launch)
+@pytest.mark.background.with_args(launch_part("stopped"))
 def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_across_process_counts(
         reference, request, tmp_path, one_thread):
     """1 -> 2 -> 1 processes: the reference's step-4 checkpoint resumed on 2 processes, which
-    torchrun stops after step 6 (the last scenario of tests/two_rank_worker.py's launch), then that
+    torchrun stops after step 6 (the last part of tests/launch_worker.py's launch), then that
     checkpoint resumed on 1 process (here) to the end."""
     expected, checkpoints = reference
-    stopped_run = scenario(request, "stopped")
+    stopped_run = outcome(request, "stopped")
     result = stopped_run.result
     # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers,
     # without one

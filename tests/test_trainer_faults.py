@@ -17,10 +17,10 @@ import pytest
 import torch
 from helpers import at_step
 from helpers import finished_log
-from two_rank_worker import scenario
-from two_rank_worker import shards
-from two_rank_worker import tiny_run
-from two_rank_worker import two_rank_launch
+from launch_worker import launch_part
+from launch_worker import outcome
+from launch_worker import shards
+from launch_worker import tiny_run
 
 import train_gpt
 
@@ -218,12 +218,12 @@ def test_the_log_is_written_under_a_lock_and_a_full_disk_met_by_another_thread_s
 
 
 @pytest.mark.slow
-@pytest.mark.background.with_args(two_rank_launch)
+@pytest.mark.background.with_args(launch_part("shard_changed"))
 def test_a_shard_changed_for_one_rank_stops_every_rank_after_a_checkpoint(request):
     """From step 1 on, rank 0 alone reads 400 tokens in train shard 2's header (its node's copy
-    changed), rank 1 the shard as it was: the first scenario of tests/two_rank_worker.py's torchrun
-    launch of 2 processes."""
-    shard_changed = scenario(request, "shard_changed")
+    changed), rank 1 the shard as it was: on 2 processes, a part of
+    tests/launch_worker.py's torchrun launch."""
+    shard_changed = outcome(request, "shard_changed")
     stderr = "".join(shard_changed.stderr)
     # each process's main() ends with exit code 1 (torchrun's, then), without a worker's traceback
     assert shard_changed.codes == [1, 1] and 'train_gpt.py", line' not in stderr, stderr
