@@ -233,6 +233,9 @@ assert trainers() == []
 from evals import hellaswag
 assert hellaswag.main([checkpoint, "--data", {data!r}, "--tokenizer", {ranks!r}]) == 0
 print("the tools alone:", trainers())
+# leave without a last full collection over torch's objects (about a second of CPU)
+import gc
+gc.freeze()
 """
 
 
