@@ -305,7 +305,8 @@ class StandIn(http.server.ThreadingHTTPServer):
         self.content = content
         self.requests = 0
         self.url = f"http://127.0.0.1:{self.server_port}/hellaswag_val.jsonl"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        # polled every 10 ms for shutdown (0.5 s by default: the wait of every test's end)
+        threading.Thread(target=self.serve_forever, args=(0.01,), daemon=True).start()
 
 
 def test_download_is_checked_saved_once_and_a_bad_one_leaves_nothing(tmp_path):

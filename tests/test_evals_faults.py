@@ -254,7 +254,8 @@ class CutServer(http.server.ThreadingHTTPServer):
         self.content = content
         self.size = size
         self.url = f"http://127.0.0.1:{self.server_port}/hellaswag_val.jsonl"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        # polled every 10 ms for shutdown (0.5 s by default: the wait of every test's end)
+        threading.Thread(target=self.serve_forever, args=(0.01,), daemon=True).start()
 
 
 def test_a_download_cut_midway_is_one_line_and_saves_nothing(checkpoint, tmp_path, capsys,
