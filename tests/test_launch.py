@@ -153,8 +153,8 @@ else:
 """
 
 # python for run.sh: asked for the GPU count, $GPUS (without importing torch: quicker); otherwise
-# this
-# interpreter, with train_gpt.py replaced by $RUN_SH_SCRIPT if set (a worker that fails or stops)
+# this interpreter, with train_gpt.py replaced by $RUN_SH_SCRIPT if set (a worker that fails or
+# stops)
 PYTHON = """import os, shlex, sys
 if "torch.cuda.device_count()" in " ".join(sys.argv):
     print(os.environ["GPUS"])
