@@ -159,7 +159,7 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
 # Each job's expected seconds (one core, the suite running beside it), from runs on the 2-core AVX2
 # EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
 # queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS.
-JOB_SECONDS = {"smoke_1proc": 48, "launch": 22, "compile_twice": 17, "real_smoke_ab": 12,
+JOB_SECONDS = {"smoke_1proc": 48, "launch": 20, "compile_twice": 17, "real_smoke_ab": 12,
                "failing_rank_under_run_sh": 11, "rank_killed_under_run_sh": 9,
                "option_error_under_run_sh": 8, "one_trainer": 7, "stopped_under_nohup": 4,
                "closed_stdout": 3, "compare_script": 2}

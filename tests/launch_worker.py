@@ -109,6 +109,7 @@ def launch(request, name, argv=None):
     from helpers import short_options
     from helpers import tiny
     from helpers import worker_env
+    assert name in PARTS, f"no part {name!r} in the launch: its parts are {PARTS}"
     future = BACKGROUND.futures.get("launch")
     if name in PLAN:
         return future
