@@ -36,6 +36,26 @@ def test_block_seven_has_no_attention_and_value_embeddings_follow_012_pattern():
 
 
 @pytest.mark.record18
+def test_each_attention_layer_has_its_own_copy_of_record_18s_rotary_tables():
+    """The tables are made once per process (and device) and copied into each layer: the values of
+    record 18's formula (written again here), in tensors of each layer's own."""
+    models = [GPT(512, 6, 2, 32), GPT(512, 6, 2, 32)]  # head dimension 16
+    quarter = 16 // 4
+    angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=quarter, dtype=torch.float32)
+    angular_freq = torch.cat([angular_freq, angular_freq.new_zeros(quarter)])
+    theta = torch.einsum("i,j -> ij", torch.arange(65536, dtype=torch.float32), angular_freq)
+    rotaries = [block.attn.rotary for model in models for block in model.blocks]
+    assert len(rotaries) == 12
+    for rotary in rotaries:
+        assert torch.equal(rotary.cos, theta.cos()) and torch.equal(rotary.sin, theta.sin())
+    # a layer's table changed in place changes no other layer's
+    assert len({t.data_ptr() for rotary in rotaries for t in (rotary.cos, rotary.sin)}) == 24
+    with torch.device("meta"):
+        on_meta = GPT(512, 6, 2, 32)
+    assert on_meta.blocks[0].attn.rotary.cos.device.type == "meta"
+
+
+@pytest.mark.record18
 def test_step_zero_loss_is_log_vocab_because_the_head_starts_at_zero():
     torch.manual_seed(0)
     model = GPT(50304, 8, 2, 64)
