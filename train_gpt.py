@@ -1438,9 +1438,13 @@ def peer_lost(error):
             first = f"the first to fail: {store.get(peer_key('error1')).decode()}"
     return UserError(f"another process of the run stopped answering ({first}); this one ends too")
 
+# seconds between rank 0's looks for other ranks' last lines
+PEER_POLL_SECONDS = 1.0
+
 class PeerErrors:
     """Rank 0's log gets the lines other ranks post as they fail, from a thread that polls every
-    second: the main thread may be stuck in a collective with a dead rank until torchrun ends it."""
+    PEER_POLL_SECONDS: the main thread may be stuck in a collective with a dead rank until torchrun
+    ends it."""
     def __init__(self, log):
         self.log = log
         self.written = 0
@@ -1452,7 +1456,7 @@ class PeerErrors:
     def _watch(self):
         # a store that fails (its server gone) ends the watch, quietly
         with contextlib.suppress(Exception):
-            while not self.stopped.wait(1.0):
+            while not self.stopped.wait(PEER_POLL_SECONDS):
                 self._catch_up()
 
     def _catch_up(self):

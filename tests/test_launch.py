@@ -468,6 +468,8 @@ def test_rank_zero_logs_another_ranks_last_line_while_its_own_main_thread_is_stu
                     TORCHELASTIC_RUN_ID="test")
     for name, value in launched.items():
         monkeypatch.setenv(name, value)
+    # a look every 20 ms, not every second
+    monkeypatch.setattr(train_gpt, "PEER_POLL_SECONDS", 0.02)
     lines = []
     peers = train_gpt.PeerErrors(lambda line, console: lines.append(line))
     train_gpt.post_to_rank_zero("rank 3: error: out of GPU memory")
