@@ -322,7 +322,7 @@ class CastedLinear(nn.Linear):
 @functools.cache
 def rotary_tables(head_dim, max_seq_len, device):
     """Rotary's cos and sin at every position: the same in every layer, so made once per process
-    (a twelfth of a second each at the record's size, on a CPU)."""
+    and device (tens of milliseconds each at the record's size, on a CPU)."""
     rotating = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, device=device)
     freqs = torch.cat([rotating, torch.zeros(head_dim // 4, device=device)])
     theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), freqs)
