@@ -35,7 +35,6 @@ import time
 LAUNCH_TIME = time.time()
 
 import contextlib
-import functools
 import glob
 import math
 import os
@@ -319,25 +318,17 @@ class CastedLinear(nn.Linear):
     def forward(self, x):
         return matmul(x, self.weight.type_as(x).T)
 
-@functools.cache
-def rotary_tables(head_dim, max_seq_len, device):
-    """Rotary's cos and sin at every position: the same in every layer, so made once per process
-    and device (tens of milliseconds each at the record's size, on a CPU)."""
-    rotating = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, device=device)
-    freqs = torch.cat([rotating, torch.zeros(head_dim // 4, device=device)])
-    theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), freqs)
-    return theta.cos(), theta.sin()
-
 class Rotary(nn.Module):
     """Rotary position embedding (RoFormer, Su et al.), half-truncated (@YouJiacheng): half of the
     dimension pairs rotate, with frequencies from 1 down to 1/1024, and the other half have
     frequency 0."""
     def __init__(self, head_dim, max_seq_len=65536):
         super().__init__()
-        # each layer its own copy
-        cos, sin = rotary_tables(head_dim, max_seq_len, torch.get_default_device())
-        self.register_buffer("cos", cos.clone(), persistent=False)
-        self.register_buffer("sin", sin.clone(), persistent=False)
+        rotating = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4)
+        freqs = torch.cat([rotating, torch.zeros(head_dim // 4)])
+        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        self.register_buffer("cos", theta.cos(), persistent=False)
+        self.register_buffer("sin", theta.sin(), persistent=False)
 
     def forward(self, x, start=0):
         """x: (batch, seq, heads, head_dim) at positions start onward; rotated in fp32."""

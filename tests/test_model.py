@@ -37,8 +37,8 @@ def test_block_seven_has_no_attention_and_value_embeddings_follow_012_pattern():
 
 @pytest.mark.record18
 def test_each_attention_layer_has_its_own_copy_of_record_18s_rotary_tables():
-    """The tables are made once per process (and device) and copied into each layer: the values of
-    record 18's formula (written again here), in tensors of each layer's own."""
+    """Each layer's tables: the values of record 18's formula (written again here), in tensors of
+    the layer's own."""
     models = [GPT(512, 6, 2, 32), GPT(512, 6, 2, 32)]  # head dimension 16
     quarter = 16 // 4
     angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=quarter, dtype=torch.float32)
