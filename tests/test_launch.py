@@ -264,7 +264,9 @@ def test_under_run_sh_a_failing_rank_leaves_its_error_last_on_screen_and_in_rank
 
 
 # a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports
-# how it started, in a file of its own (rank.RANK, renamed into place once written)
+# how it started, in a file of its own (rank.RANK, renamed into place once written). torchrun logs a
+# line before it signals each worker: rank 0 writes its own line once rank 1 has its signal (as
+# the trainer's, written after its step, comes after them), not in a race with torchrun's last
 STOPPING_WORKER = """import os, signal, sys, time
 stops = []
 def on_signal(signum, frame):
@@ -272,14 +274,21 @@ def on_signal(signum, frame):
 hangups_ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
 for signum in [signal.SIGTERM] + [signal.SIGHUP] * (not hangups_ignored):
     signal.signal(signum, on_signal)
-report = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank." + os.environ["RANK"])
+folder = os.path.dirname(os.path.abspath(__file__))
+report = os.path.join(folder, "rank." + os.environ["RANK"])
 with open(report + ".tmp", "w") as f:
     timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     print(os.environ["RANK"], hangups_ignored, timeout, file=f)
 os.replace(report + ".tmp", report)
 while not stops:
     time.sleep(0.01)
-if os.environ["RANK"] == "0":
+rank_1_stopping = os.path.join(folder, "rank.1.stopping")
+if os.environ["RANK"] == "1":
+    open(rank_1_stopping, "w").close()
+else:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(rank_1_stopping) and time.monotonic() < deadline:
+        time.sleep(0.01)
     print(f"stopped by {signal.Signals(stops[0]).name}", file=sys.stderr)
 sys.exit(128 + stops[0])
 """
