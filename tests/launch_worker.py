@@ -24,6 +24,7 @@ stderr in files of their own per rank, and each rank's exit code and error file 
 torchrun's report quotes) kept in files, the error file then removed. "stopped" writes to
 torchrun's stdout and stderr, and leaves its error file to torchrun."""
 import functools
+import gc
 import glob
 import json
 import os
@@ -297,6 +298,12 @@ def main(plan_path):
 
 
 if __name__ == "__main__":
+    # torch._dynamo (which the first optimiser imports) with the collector off, then every object so
+    # far out of later collections, as helpers.imported_frozen does
+    gc.disable()
+    import torch._dynamo  # noqa: F401
+    gc.freeze()
+    gc.enable()
     code = main(sys.argv[1])
     sys.stdout.flush()
     sys.stderr.flush()

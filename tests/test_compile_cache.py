@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from helpers import BACKGROUND
+from helpers import imported_frozen
 from helpers import run_process
 from helpers import worker_env
 
@@ -16,9 +17,8 @@ STAMP = "train_gpt compile cache: torch test"
 
 # compile one small function with this process's (empty) local caches, around the trainer's load and
 # save; a graph of one library call: no C++ kernel to build, so it is quick
-COMPILE = f"""
-import sys, torch
-import train_gpt
+COMPILE = imported_frozen("torch", "train_gpt") + f"""
+import sys
 print(train_gpt.load_compile_cache(sys.argv[1], {STAMP!r}))
 f = torch.compile(lambda x: x @ x.T)
 f(torch.randn(8, 8))
@@ -26,7 +26,6 @@ counts = torch._dynamo.utils.counters["inductor"]
 print(counts["fxgraph_cache_hit"], counts["fxgraph_cache_miss"])
 print(train_gpt.save_compile_cache(sys.argv[1], {STAMP!r}))
 # leave without a last full collection over inductor's objects (about a second of CPU)
-import gc
 gc.freeze()
 """
 

@@ -22,6 +22,7 @@ import tiktoken
 import torch
 from helpers import BACKGROUND
 from helpers import REPO
+from helpers import imported_frozen
 from helpers import run_process
 from helpers import worker_env
 
@@ -210,7 +211,7 @@ def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_pat
 
 # One process: the trainer with --hellaswag, then the tools alone, as in a process of their own:
 # every module of the repository imported so far (train_gpt, evals, the tokenizer) forgotten first
-ONE_TRAINER = """
+ONE_TRAINER = imported_frozen("torch._dynamo") + """
 import glob
 import os
 import sys
@@ -234,7 +235,6 @@ from evals import hellaswag
 assert hellaswag.main([checkpoint, "--data", {data!r}, "--tokenizer", {ranks!r}]) == 0
 print("the tools alone:", trainers())
 # leave without a last full collection over torch's objects (about a second of CPU)
-import gc
 gc.freeze()
 """
 

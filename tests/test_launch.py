@@ -18,6 +18,7 @@ from helpers import BACKGROUND
 from helpers import REPO
 from helpers import TINY_RUN
 from helpers import finished_log
+from helpers import imported_frozen
 from helpers import launch_env
 from helpers import run_process
 from helpers import started
@@ -337,8 +338,7 @@ def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(reque
 
 # rank 0 writes its error line first (then a file beside this script, which rank 1 waits for), then
 # lingers: torchrun, as rank 1 exits first, ends it with SIGTERM
-LINGERING_RANK_ZERO = """import os, sys, time
-import train_gpt
+LINGERING_RANK_ZERO = imported_frozen("train_gpt") + """import os, sys, time
 tell_launcher = train_gpt.tell_launcher
 told = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0.told")
 def tell_then_linger(line, code=1):
