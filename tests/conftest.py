@@ -8,7 +8,7 @@ import pytest
 
 # torch's import and the test modules' collection with Python's collector off, their objects then
 # frozen out of later collections at session start (helpers.imported_frozen, for this process):
-# half a second less of the session's start, which one core does alone
+# about a second less before the first test, while one core works alone
 gc.disable()
 from helpers import BACKGROUND  # noqa: E402
 from helpers import SmokeRuns  # noqa: E402

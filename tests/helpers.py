@@ -523,6 +523,7 @@ def imported_frozen(*modules):
 # macOS and Windows) from the start, torch's import included; then triton is importable again.
 RUNS_IN_ONE_PROCESS = """import runpy, sys
 runs = {runs!r}
+# the first run's triton blocked before torch's import
 if runs[0][2]:
     sys.modules["triton"] = None
 """ + imported_frozen("torch") + """
