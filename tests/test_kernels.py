@@ -5,6 +5,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import LN_VOCAB
 from helpers import smoke_marked
 from helpers import val_losses
 
@@ -251,7 +252,8 @@ def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monk
 @smoke_marked(("head", False), ("head", True))
 def test_smoke_run_with_the_fused_head_loss_has_the_plain_runs_val_losses(smoke_runs):
     plain, fused = val_losses(smoke_runs.head(fused=False)), val_losses(smoke_runs.head(fused=True))
-    assert sorted(plain) == sorted(fused) == [0, 2] and plain[2] < plain[0]
+    # the head starts at zero: step 0's loss is ln 50,304 on both paths (10.83; 10.56 at step 2)
+    assert sorted(plain) == sorted(fused) == [2] and plain[2] < LN_VOCAB - 0.1
     for step in plain:  # the same up to bf16 rounding (the plain path's softcap rounds to bf16)
         assert abs(fused[step] - plain[step]) < 3e-3, (step, fused[step], plain[step])
 
