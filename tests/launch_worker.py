@@ -42,7 +42,6 @@ import train_gpt
 REPO = Path(__file__).resolve().parent.parent
 
 PARTS = ("muon", "short", "shard_changed", "log_full", "hellaswag", "stopped")
-TRAINER_PARTS = ("short", "shard_changed", "log_full", "stopped")
 # the step at which each trainer part's fault comes (on rank 0); "short" has none
 FAULT_AT = {"shard_changed": 1, "log_full": 2, "stopped": 5}
 
