@@ -7,13 +7,16 @@ import contextlib
 import ctypes
 import heapq
 import importlib.util
+import json
 import math
 import os
 import re
 import resource
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -143,6 +146,128 @@ def run_process(command, timeout, **kwargs):
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+# --- a warm interpreter: `python -c CODE` forked from one that has imported torch -----------------
+
+# Its loop: one request (a JSON line) at a time, each forked into a child that runs it as `python
+# -c CODE ARGS...` would (a session of its own, the request's environment, working directory and
+# output files, stdin empty; at its end the threads joined and the atexit functions run); the
+# child's process id answered at once, its exit code and CPU seconds once it has ended. The imports
+# are made with the collector off, their objects then frozen, as in imported_frozen().
+WARM_LOOP = """import gc
+gc.disable()
+import atexit, json, os, sys, threading, traceback
+import torch, torch._dynamo, train_gpt
+gc.freeze()
+gc.enable()
+
+
+def run(request):
+    os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    sys.argv = ["-c", *request["args"]]
+    try:
+        exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code or 0)
+
+
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        run(request)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status, usage = os.wait4(pid, 0)
+    cpu = usage.ru_utime + usage.ru_stime
+    print(json.dumps({"code": os.waitstatus_to_exitcode(status), "cpu": cpu}), flush=True)
+"""
+
+
+class ForkedChild:
+    """A child of the warm interpreter, for kill_group: its process id is its group's."""
+
+    def __init__(self, pid):
+        self.pid = pid
+
+
+class WarmPython:
+    """`python -c CODE` without paying for torch's import each time (about 5 s of CPU with
+    torch._dynamo's, most of a small process's time): each run is forked from one interpreter that
+    imported torch, torch._dynamo and train_gpt once (WARM_LOOP), started with worker_env and one
+    thread. What a run reads from the environment at start-up (PYTHONPATH, the thread count) is that
+    interpreter's; what it reads later (cache folders, say) is its own. One run at a time; each
+    child's CPU seconds are added to `cpu_seconds`."""
+
+    def __init__(self):
+        self.process = None
+        self.lock = threading.Lock()
+        self.cpu_seconds = 0.0
+
+    def start(self):
+        """Starts the interpreter (its imports then run beside whatever comes next), once."""
+        with self.lock:
+            if self.process is None:
+                # unbuffered: a line read never takes the next one with it, unseen by select
+                self.process = start_process(
+                    [sys.executable, "-c", WARM_LOOP], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, bufsize=0, cwd=REPO,
+                    env=worker_env(OMP_NUM_THREADS="1"))
+
+    def answer(self, timeout=None):
+        """The loop's next line, parsed; waits at most `timeout` seconds (None: no limit)."""
+        if timeout is not None and not select.select([self.process.stdout], [], [], timeout)[0]:
+            return None
+        line = self.process.stdout.readline()
+        assert line, "the warm interpreter has ended (its error is above)"
+        return json.loads(line)
+
+    def run(self, code, args=(), timeout=300, cwd=REPO, env=None):
+        """subprocess.run([python, "-c", code, *args], capture_output=True, text=True, ...) as a
+        fork of the warm interpreter; `env` by default worker_env()."""
+        self.start()
+        with self.lock, tempfile.TemporaryDirectory() as folder:
+            out, err = Path(folder, "stdout"), Path(folder, "stderr")
+            request = {"code": code, "args": list(map(str, args)), "cwd": str(cwd),
+                       "env": worker_env() if env is None else env, "stdout": str(out),
+                       "stderr": str(err)}
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            child = ForkedChild(self.answer()["pid"])
+            with LIVE_LOCK:
+                LIVE_GROUPS.add(child)
+            ended = self.answer(timeout)
+            # whatever it started is killed with it
+            kill_group(child)
+            if ended is None:
+                self.answer()
+                raise subprocess.TimeoutExpired(["python", "-c", code, *args], timeout)
+            self.cpu_seconds += ended["cpu"]
+            return subprocess.CompletedProcess(["python", "-c", code, *args], ended["code"],
+                                               out.read_text(), err.read_text())
+
+
+WARM_PYTHON = WarmPython()
+
+
 def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py"):
     """Run train_gpt.py (or a tool wrapping it) as users do: plainly for one process, through
     torchrun for several; `threads` per process, by default the cores shared out."""
@@ -158,11 +283,12 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
 
 # Each job's expected seconds (one core, the suite running beside it), from runs on the 2-core AVX2
 # EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
-# queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS.
-JOB_SECONDS = {"smoke_1proc": 48, "launch": 20, "compile_twice": 17, "real_smoke_ab": 12,
+# queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS. The reference run (7 s)
+# comes first, as the launch waits for it.
+JOB_SECONDS = {"reference": 60, "smoke_1proc": 48, "launch": 20, "real_smoke_ab": 12,
                "failing_rank_under_run_sh": 11, "rank_killed_under_run_sh": 9,
-               "option_error_under_run_sh": 8, "one_trainer": 7, "stopped_under_nohup": 4,
-               "closed_stdout": 3, "compare_script": 2}
+               "option_error_under_run_sh": 8, "compile_twice": 7, "stopped_under_nohup": 4,
+               "closed_stdout": 3, "one_trainer": 3, "compare_script": 2}
 DEFAULT_JOB_SECONDS = 10
 
 
@@ -193,8 +319,6 @@ class Background:
         self.futures = {}
         self.seconds = {}
         self.cpu_seconds = {}
-        # (fn, its future): in_main_thread's work, waiting for the queue to start
-        self.main_thread_work = []
         # (queued after the start, minus its expected seconds, its number, key, fn, args, kwargs,
         # future)
         self.queue = []
@@ -224,36 +348,15 @@ class Background:
 
     @contextlib.contextmanager
     def held(self):
-        """Jobs queued in the block start when it ends, longest first; then the work given to
-        in_main_thread in the block is done, beside them."""
+        """Jobs queued in the block start when it ends, longest first."""
         with self.ready:
             self.holding = True
-        stopped = True
         try:
             yield
-            stopped = False
         finally:
             with self.ready:
                 self.holding = False
                 self.ready.notify()
-            work, self.main_thread_work = self.main_thread_work, []
-            for fn, future in work:
-                # after an error in the block, a job waiting on this work fails instead
-                if stopped:
-                    future.cancel()
-                else:
-                    settle(future, fn)
-
-    def in_main_thread(self, fn):
-        """A future of fn(), called in this (the tests') thread, as in-process runs must be (the
-        trainer sets signal handlers): in held(), once the jobs have started (a job that needs it
-        waits on the future, while the first jobs run), else now."""
-        future = concurrent.futures.Future()
-        if self.holding:
-            self.main_thread_work.append((fn, future))
-        else:
-            settle(future, fn)
-        return future
 
     def work(self):
         while True:
@@ -273,12 +376,13 @@ class Background:
 
     def timed(self, key, fn, *args, **kwargs):
         started_at = time.perf_counter()
-        cpu_before = children_cpu_seconds()
+        cpu_before = children_cpu_seconds() + WARM_PYTHON.cpu_seconds
         try:
             return fn(*args, **kwargs)
         finally:
             self.seconds[key] = time.perf_counter() - started_at
-            self.cpu_seconds[key] = children_cpu_seconds() - cpu_before
+            cpu = children_cpu_seconds() + WARM_PYTHON.cpu_seconds
+            self.cpu_seconds[key] = cpu - cpu_before
 
 
 def settle(future, fn, *args, **kwargs):
@@ -294,7 +398,8 @@ def settle(future, fn, *args, **kwargs):
 
 
 def children_cpu_seconds():
-    """CPU time of this process's finished children: a job's share is about the change over its run
+    """CPU time of this process's finished children (the warm interpreter's children are counted
+    by WARM_PYTHON): a job's share is about the change over its run
     (a busy machine stretches wall times, less so CPU times); jobs that overlapped (two workers, an
     in-process compile's C++ compilers) share their figures."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -30,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,25 +74,29 @@ MADE = {}
 PLAN = {}
 
 
+REFERENCE_LOCK = threading.Lock()
+
+
 def reference_run(markov_shards, tmp_path_factory):
-    """tests/test_resume.py's run not interrupted, in this process (on one thread), made once: its
-    val losses and its checkpoints (every 4 steps)."""
+    """tests/test_resume.py's run not interrupted, made once, in a fork of the warm interpreter (one
+    thread): its val losses and its checkpoints (every 4 steps). A background job when the launch
+    resumes it (queued first: the launch waits for it), else made when a test asks."""
+    from helpers import WARM_PYTHON
     from helpers import finished_log
     from helpers import tiny
     from helpers import val_losses
-    if "reference" not in MADE:
-        log_dir = tmp_path_factory.mktemp("reference")
-        threads = train_gpt.torch.get_num_threads()
-        train_gpt.torch.set_num_threads(1)
-        try:
-            code = train_gpt.main(tiny(markov_shards, log_dir, "--checkpoint_every", "4"))
-        finally:
-            train_gpt.torch.set_num_threads(threads)
-        assert code == 0
-        log = finished_log(log_dir)
-        checkpoints = sorted((log_dir / log.stem).glob("state_step*.pt"))
-        MADE["reference"] = val_losses(log), checkpoints
-    return MADE["reference"]
+    from helpers import worker_env
+    with REFERENCE_LOCK:
+        if "reference" not in MADE:
+            log_dir = tmp_path_factory.mktemp("reference")
+            args = tiny(markov_shards, log_dir, "--checkpoint_every", "4")
+            code = f"import sys\nimport train_gpt\nsys.exit(train_gpt.main({args!r}))\n"
+            result = WARM_PYTHON.run(code, (), 600, env=worker_env(OMP_NUM_THREADS="1"))
+            assert result.returncode == 0, result.stderr[-3000:]
+            log = finished_log(log_dir)
+            checkpoints = sorted((log_dir / log.stem).glob("state_step*.pt"))
+            MADE["reference"] = val_losses(log), checkpoints
+        return MADE["reference"]
 
 
 @functools.cache
@@ -105,6 +110,7 @@ def launch(request, name, argv=None):
     "hellaswag" is given its argv) and queues the launch, once; gives its future. A part asked for
     once the launch has started fails its test, saying so."""
     from helpers import BACKGROUND
+    from helpers import WARM_PYTHON
     from helpers import run_process
     from helpers import short_options
     from helpers import tiny
@@ -124,7 +130,8 @@ def launch(request, name, argv=None):
     folder = MADE["folder"]
     train, val = MADE["shards"]
     if name == "stopped":
-        reference = BACKGROUND.in_main_thread(lambda: reference_run(markov_shards, factory))
+        WARM_PYTHON.start()
+        reference = BACKGROUND.once("reference", reference_run, markov_shards, factory)
 
         def resumed():
             try:

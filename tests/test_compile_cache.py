@@ -2,13 +2,11 @@
 file it did not write is never replaced."""
 import dataclasses
 import os
-import sys
 
 import pytest
 import torch
 from helpers import BACKGROUND
-from helpers import imported_frozen
-from helpers import run_process
+from helpers import WARM_PYTHON
 from helpers import worker_env
 
 import train_gpt
@@ -16,25 +14,28 @@ import train_gpt
 STAMP = "train_gpt compile cache: torch test"
 
 # compile one small function with this process's (empty) local caches, around the trainer's load and
-# save; a graph of one library call: no C++ kernel to build, so it is quick
-COMPILE = imported_frozen("torch", "train_gpt") + f"""
-import sys
+# save; a graph of one library call: no C++ kernel to build, so it is quick. Each process is a fork
+# of the warm interpreter, which has imported torch and compiled nothing.
+COMPILE = f"""import sys
+import torch
+import train_gpt
 print(train_gpt.load_compile_cache(sys.argv[1], {STAMP!r}))
 f = torch.compile(lambda x: x @ x.T)
 f(torch.randn(8, 8))
 counts = torch._dynamo.utils.counters["inductor"]
 print(counts["fxgraph_cache_hit"], counts["fxgraph_cache_miss"])
 print(train_gpt.save_compile_cache(sys.argv[1], {STAMP!r}))
-# leave without a last full collection over inductor's objects (about a second of CPU)
-gc.freeze()
 """
 
 
 def compile_in_fresh_process(cache, tmp_path, name):
     env = worker_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"{name}_inductor"),
                      TRITON_CACHE_DIR=str(tmp_path / f"{name}_triton"))
-    result = run_process([sys.executable, "-c", COMPILE, str(cache)], 300, env=env)
+    result = WARM_PYTHON.run(COMPILE, [cache], 300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
+    # its own local cache, not the session's
+    own = tmp_path / f"{name}_inductor"
+    assert own.is_dir() and any(own.iterdir()), f"nothing in the process's own cache {own}"
     return result.stdout.splitlines()[-3:]
 
 
@@ -47,6 +48,7 @@ def compile_twice(tmp_path):
 
 def compile_twice_in_background(request):
     tmp = request.getfixturevalue("tmp_path_factory")
+    WARM_PYTHON.start()
     return BACKGROUND.once("compile_twice", lambda: compile_twice(tmp.mktemp("compile_cache")))
 
 

@@ -22,8 +22,7 @@ import tiktoken
 import torch
 from helpers import BACKGROUND
 from helpers import REPO
-from helpers import imported_frozen
-from helpers import run_process
+from helpers import WARM_PYTHON
 from helpers import worker_env
 
 import train_gpt
@@ -209,10 +208,10 @@ def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_pat
     assert capsys.readouterr().out == IN_DOMAIN.decode(fork_tokens) + "\n"
 
 
-# One process: the trainer with --hellaswag, then the tools alone, as in a process of their own:
-# every module of the repository imported so far (train_gpt, evals, the tokenizer) forgotten first
-ONE_TRAINER = imported_frozen("torch._dynamo") + """
-import glob
+# One process (a fork of the warm interpreter, which has imported train_gpt): the trainer with
+# --hellaswag, then the tools alone, as in a process of their own: every module of the repository
+# imported so far (train_gpt, evals, the tokenizer) forgotten first
+ONE_TRAINER = """import glob
 import os
 import sys
 
@@ -234,8 +233,6 @@ assert trainers() == []
 from evals import hellaswag
 assert hellaswag.main([checkpoint, "--data", {data!r}, "--tokenizer", {ranks!r}]) == 0
 print("the tools alone:", trainers())
-# leave without a last full collection over torch's objects (about a second of CPU)
-gc.freeze()
 """
 
 
@@ -258,11 +255,11 @@ def one_trainer_run(request):
         code = ONE_TRAINER.format(repo=str(REPO), options=options, data=str(data),
                                   ranks=str(RANKS),
                                   checkpoints=str(folder / "logs" / "*" / "state_step000001.pt"))
-        command = [sys.executable, "-c", code]
+        WARM_PYTHON.start()
         # the repository importable through PYTHONPATH, whatever the working directory
         env = worker_env(OMP_NUM_THREADS="1")
-        BACKGROUND.once("one_trainer", lambda: (folder, run_process(command, 600, cwd=folder,
-                                                                      env=env)))
+        BACKGROUND.once("one_trainer", lambda: (folder, WARM_PYTHON.run(code, (), 600, cwd=folder,
+                                                                          env=env)))
     return BACKGROUND.futures["one_trainer"]
 
 

@@ -147,8 +147,9 @@ def test_under_nohup_a_hang_up_does_not_stop_the_run(
 
 @pytest.fixture(scope="session")
 def reference(markov_shards, tmp_path_factory):
-    """The run not interrupted, in this process (on one thread): its val losses and its checkpoints
-    (every 4 steps). Made once, by the starter of the torchrun launch where it is due."""
+    """The run not interrupted, in a process of its own (on one thread): its val losses and its
+    checkpoints (every 4 steps). Made once: on the background queue where the torchrun launch is
+    due, else here."""
     return reference_run(markov_shards, tmp_path_factory)
 
 
