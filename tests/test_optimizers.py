@@ -1,6 +1,7 @@
 """The optimisers and schedules are record 18's, and compiling them never recompiles per step."""
 import pytest
 import torch
+from helpers import TINY_MODEL
 
 import train_gpt
 from train_gpt import GPT
@@ -109,7 +110,7 @@ def test_default_model_stacks_muon_matrices_in_two_batches(monkeypatch, world_si
 @pytest.mark.slow
 def test_no_inductor_option_is_changed_unless_asked(monkeypatch, markov_shards, tmp_path):
     """The compile branch of train(), with torch.compile made a no-op so that it costs nothing on a
-    CPU."""
+    CPU; tiny()'s model (the size is not what is checked)."""
     from torch._inductor import config as inductor_config
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
@@ -133,6 +134,7 @@ def test_no_inductor_option_is_changed_unless_asked(monkeypatch, markov_shards, 
         "128",
         "--compile",
         "true",
+        *TINY_MODEL,
         "--log_dir",
         str(tmp_path),
     ]
