@@ -386,15 +386,12 @@ class Background:
 
 
 def settle(future, fn, *args, **kwargs):
-    """The future's result is fn's, or what it raised; a stop (Ctrl-C) is raised on as well."""
+    """The future's result is fn's, or what it raised (in a worker's thread: nothing to raise it
+    on to)."""
     try:
         future.set_result(fn(*args, **kwargs))
-    except Exception as error:
-        future.set_exception(error)
     except BaseException as error:
         future.set_exception(error)
-        if threading.current_thread() is threading.main_thread():
-            raise
 
 
 def children_cpu_seconds():
