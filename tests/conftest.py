@@ -1,18 +1,23 @@
 """pytest's fixtures and hooks: synthetic shards with learnable structure, the smoke runs that tests
 share, the background queue started at session start (its jobs' wall times printed at the end), and
-no process left behind. The shared functions live in tests/helpers.py, which test modules import."""
+no process left behind. The shared functions live in tests/helpers.py and tests/processes.py
+(started processes), which test modules import."""
 import gc
 import signal
 
 import pytest
+from processes import WARM_PYTHON
+from processes import kill_every_live_group
 
+# The warm interpreter's imports first: they run on the second core while this process imports
+# torch and collects the tests on the first, which the queue's first jobs would leave idle
+WARM_PYTHON.start()
 # torch's import and the test modules' collection with Python's collector off, their objects then
 # frozen out of later collections at session start (helpers.imported_frozen, for this process):
 # about a second less before the first test, while one core works alone
 gc.disable()
 from helpers import BACKGROUND  # noqa: E402
 from helpers import SmokeRuns  # noqa: E402
-from helpers import kill_every_live_group  # noqa: E402
 from helpers import markov_stream  # noqa: E402
 
 import train_gpt  # noqa: E402

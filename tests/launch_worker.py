@@ -81,11 +81,11 @@ def reference_run(markov_shards, tmp_path_factory):
     """tests/test_resume.py's run not interrupted, made once, in a fork of the warm interpreter (one
     thread): its val losses and its checkpoints (every 4 steps). A background job when the launch
     resumes it (queued first: the launch waits for it), else made when a test asks."""
-    from helpers import WARM_PYTHON
     from helpers import finished_log
     from helpers import tiny
     from helpers import val_losses
-    from helpers import worker_env
+    from processes import WARM_PYTHON
+    from processes import worker_env
     with REFERENCE_LOCK:
         if "reference" not in MADE:
             log_dir = tmp_path_factory.mktemp("reference")
@@ -110,11 +110,10 @@ def launch(request, name, argv=None):
     "hellaswag" is given its argv) and queues the launch, once; gives its future. A part asked for
     once the launch has started fails its test, saying so."""
     from helpers import BACKGROUND
-    from helpers import WARM_PYTHON
-    from helpers import run_process
     from helpers import short_options
     from helpers import tiny
-    from helpers import worker_env
+    from processes import run_process
+    from processes import worker_env
     assert name in PARTS, f"no part {name!r} in the launch: its parts are {PARTS}"
     future = BACKGROUND.futures.get("launch")
     if name in PLAN:
@@ -130,7 +129,6 @@ def launch(request, name, argv=None):
     folder = MADE["folder"]
     train, val = MADE["shards"]
     if name == "stopped":
-        WARM_PYTHON.start()
         reference = BACKGROUND.once("reference", reference_run, markov_shards, factory)
 
         def resumed():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from helpers import BACKGROUND
-from helpers import launch_env
 from helpers import load_records_script
+from processes import launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "ab.py"

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from helpers import BACKGROUND
 from helpers import LN_VOCAB
-from helpers import launch_env
 from helpers import load_records_script
-from helpers import run_process
 from helpers import smoke_marked
+from processes import launch_env
+from processes import run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "records" / "compare.py"

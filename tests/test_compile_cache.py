@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 from helpers import BACKGROUND
-from helpers import WARM_PYTHON
-from helpers import worker_env
+from processes import WARM_PYTHON
+from processes import worker_env
 
 import train_gpt
 
@@ -48,7 +48,6 @@ def compile_twice(tmp_path):
 
 def compile_twice_in_background(request):
     tmp = request.getfixturevalue("tmp_path_factory")
-    WARM_PYTHON.start()
     return BACKGROUND.once("compile_twice", lambda: compile_twice(tmp.mktemp("compile_cache")))
 
 

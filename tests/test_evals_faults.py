@@ -23,8 +23,8 @@ import torch
 from helpers import BACKGROUND
 from helpers import REPO
 from helpers import finished_log
-from helpers import launch_env
-from helpers import started
+from processes import launch_env
+from processes import started
 
 import train_gpt
 from evals import common

@@ -30,9 +30,9 @@ import fetch_hub
 import numpy as np
 import pytest
 from helpers import hub_environment
-from helpers import launch_env
-from helpers import run_process
-from helpers import started
+from processes import launch_env
+from processes import run_process
+from processes import started
 
 ROOT = Path(__file__).resolve().parents[1]
 # the stand-in hub, in data/ beside the tool it stands in for

@@ -22,8 +22,8 @@ import tiktoken
 import torch
 from helpers import BACKGROUND
 from helpers import REPO
-from helpers import WARM_PYTHON
-from helpers import worker_env
+from processes import WARM_PYTHON
+from processes import worker_env
 
 import train_gpt
 from evals import common
@@ -255,7 +255,6 @@ def one_trainer_run(request):
         code = ONE_TRAINER.format(repo=str(REPO), options=options, data=str(data),
                                   ranks=str(RANKS),
                                   checkpoints=str(folder / "logs" / "*" / "state_step000001.pt"))
-        WARM_PYTHON.start()
         # the repository importable through PYTHONPATH, whatever the working directory
         env = worker_env(OMP_NUM_THREADS="1")
         BACKGROUND.once("one_trainer", lambda: (folder, WARM_PYTHON.run(code, (), 600, cwd=folder,

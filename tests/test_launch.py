@@ -19,11 +19,11 @@ from helpers import REPO
 from helpers import TINY_RUN
 from helpers import finished_log
 from helpers import imported_frozen
-from helpers import launch_env
-from helpers import run_process
-from helpers import started
 from helpers import tiny
-from helpers import worker_env
+from processes import launch_env
+from processes import run_process
+from processes import started
+from processes import worker_env
 
 import train_gpt
 

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import kill_group
-from helpers import start_process
+from processes import kill_group
+from processes import start_process
 
 # a parent that starts a child in a session of its own (as torchrun starts its workers), says the
 # child's pid, then waits

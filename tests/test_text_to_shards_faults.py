@@ -16,8 +16,8 @@ import pytest
 import text_to_shards
 import tiktoken
 from helpers import REPO
-from helpers import launch_env
-from helpers import start_process
+from processes import launch_env
+from processes import start_process
 
 WORDS = ["the", "speedrun", "na\u00efve", "token", "shard", "d\u00e9j\u00e0", "42"]
 OPTIONS = ["--val_tokens", "300", "--shard_tokens", "5000"]
