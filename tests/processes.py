@@ -138,11 +138,12 @@ def run_process(command, timeout, **kwargs):
 # -c CODE ARGS...` would (a session of its own, the request's environment, working directory and
 # output files, stdin empty; at its end the threads joined and the atexit functions run); the
 # child's process id answered at once, its exit code and CPU seconds once it has ended. The imports
-# are made with the collector off, their objects then frozen, as in imported_frozen().
+# are made with the collector off, their objects then frozen, as in imported_frozen(); inductor's
+# among them (about 2 s of each compiling child's CPU), none of its caches read or written.
 WARM_LOOP = """import gc
 gc.disable()
 import atexit, json, os, sys, threading, traceback
-import torch, torch._dynamo, train_gpt
+import torch, torch._dynamo, torch._inductor.compile_fx, train_gpt
 gc.freeze()
 gc.enable()
 
@@ -199,10 +200,10 @@ class ForkedChild:
 class WarmPython:
     """`python -c CODE` without paying for torch's import each time (about 5 s of CPU with
     torch._dynamo's, most of a small process's time): each run is forked from one interpreter that
-    imported torch, torch._dynamo and train_gpt once (WARM_LOOP), started with worker_env and one
-    thread. What a run reads from the environment at start-up (PYTHONPATH, the thread count) is that
-    interpreter's; what it reads later (cache folders, say) is its own. One run at a time; each
-    child's CPU seconds are added to `cpu_seconds`."""
+    imported torch, torch._dynamo, inductor and train_gpt once (WARM_LOOP), started with worker_env
+    and one thread. What a run reads from the environment at start-up (PYTHONPATH, the thread count)
+    is that interpreter's; what it reads later (cache folders, say) is its own. One run at a time;
+    each child's CPU seconds are added to `cpu_seconds`."""
 
     def __init__(self):
         self.process = None
