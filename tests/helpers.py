@@ -379,16 +379,13 @@ def imported_frozen(*modules):
     return f"import gc\ngc.disable()\n{imports}gc.freeze()\ngc.enable()\n"
 
 
-# Several runs in one interpreter (each start costs about 3 s of CPU, and the first Adam 2 more for
-# torch._dynamo's import): each script runs as `python SCRIPT ARGS...` would run it, and its exit
-# code is printed. The runs marked without triton come first, where `import triton` fails (as on
-# macOS and Windows) from the start, torch's import included; then triton is importable again.
+# Several runs in one fork of the warm interpreter (a start costs about 3 s of CPU, and the first
+# Adam 2 more for torch._dynamo's import): each script runs as `python SCRIPT ARGS...` would run it,
+# and its exit code is printed. The runs marked without triton come first, where `import triton`
+# fails (as on macOS and Windows) as it did for the interpreter's imports, torch's included; then
+# triton is importable again.
 RUNS_IN_ONE_PROCESS = """import runpy, sys
 runs = {runs!r}
-# the first run's triton blocked before torch's import
-if runs[0][2]:
-    sys.modules["triton"] = None
-""" + imported_frozen("torch") + """
 for script, argv, without_triton in runs:
     if without_triton:
         sys.modules["triton"] = None
@@ -399,8 +396,6 @@ for script, argv, without_triton in runs:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         print("exit code", stop.code, flush=True)
-# leave without a last full collection over torch's objects (about a second of CPU)
-gc.freeze()
 """
 
 EXIT_CODES = re.compile(r"^exit code (\S+)$", re.M)
@@ -464,8 +459,8 @@ class SmokeRuns:
             log_dir = self.runs[name][0]
             self.runs[name] = log_dir, key, place
             runs.append((script, [*argv, "--log_dir", str(log_dir)], without_triton))
-        command = [sys.executable, "-c", RUNS_IN_ONE_PROCESS.format(runs=runs)]
-        return run_process(command, 600, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"))
+        code = RUNS_IN_ONE_PROCESS.format(runs=runs)
+        return WARM_PYTHON.run(code, (), 600, env=launch_env(OMP_NUM_THREADS="1"))
 
     def one_process_job(self):
         """smoke_1proc while the session's jobs are being queued (runs join it), else a new job."""

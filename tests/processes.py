@@ -139,10 +139,13 @@ def run_process(command, timeout, **kwargs):
 # output files, stdin empty; at its end the threads joined and the atexit functions run); the
 # child's process id answered at once, its exit code and CPU seconds once it has ended. The imports
 # are made with the collector off, their objects then frozen, as in imported_frozen(); inductor's
-# among them (about 2 s of each compiling child's CPU), none of its caches read or written.
+# among them (about 2 s of each compiling child's CPU), none of its caches read or written. They
+# are made where `import triton` fails (as on macOS and Windows), which the smoke runs need and the
+# others do not mind; a child may make triton importable again (del sys.modules["triton"]).
 WARM_LOOP = """import gc
 gc.disable()
 import atexit, json, os, sys, threading, traceback
+sys.modules["triton"] = None
 import torch, torch._dynamo, torch._inductor.compile_fx, train_gpt
 gc.freeze()
 gc.enable()
@@ -200,10 +203,10 @@ class ForkedChild:
 class WarmPython:
     """`python -c CODE` without paying for torch's import each time (about 5 s of CPU with
     torch._dynamo's, most of a small process's time): each run is forked from one interpreter that
-    imported torch, torch._dynamo, inductor and train_gpt once (WARM_LOOP), started with worker_env
-    and one thread. What a run reads from the environment at start-up (PYTHONPATH, the thread count)
-    is that interpreter's; what it reads later (cache folders, say) is its own. One run at a time;
-    each child's CPU seconds are added to `cpu_seconds`."""
+    imported torch, torch._dynamo, inductor and train_gpt once, without triton (WARM_LOOP), started
+    with worker_env and one thread. What a run reads from the environment at start-up (PYTHONPATH,
+    the thread count) is that interpreter's; what it reads later (cache folders, say) is its own.
+    One run at a time; each child's CPU seconds are added to `cpu_seconds`."""
 
     def __init__(self):
         self.process = None
