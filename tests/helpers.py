@@ -45,8 +45,8 @@ def run_trainer(args, nproc=1, timeout=600, threads=None, script="train_gpt.py")
 # EPYC, for the lead to tune. The jobs queued at session start begin longest first, so that the
 # queue ends on short ones; a job not listed counts as DEFAULT_JOB_SECONDS. The reference run (7 s)
 # comes first, as the launch waits for it.
-JOB_SECONDS = {"reference": 60, "smoke_1proc": 48, "launch": 20, "real_smoke_ab": 12,
-               "failing_rank_under_run_sh": 11, "rank_killed_under_run_sh": 9,
+JOB_SECONDS = {"reference": 60, "smoke_1proc": 48, "launch": 20, "muon_compiled": 13,
+               "real_smoke_ab": 12, "failing_rank_under_run_sh": 11, "rank_killed_under_run_sh": 9,
                "option_error_under_run_sh": 8, "compile_twice": 7, "stopped_under_nohup": 4,
                "closed_stdout": 3, "one_trainer": 3, "compare_script": 2}
 DEFAULT_JOB_SECONDS = 10

@@ -1,16 +1,20 @@
 """Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64),
 and Muon in 2 and 3 processes against 1."""
 import os
+from pathlib import Path
 
 import muon_worker
 import pytest
 import torch
-from helpers import inductor_on_the_cpu
+from helpers import BACKGROUND
 from launch_worker import launch_part
 from launch_worker import outcome
+from muon_worker import SCHEDULE
 from muon_worker import SHAPES
 from muon_worker import STEPS
 from muon_worker import gradients
+from processes import WARM_PYTHON
+from processes import worker_env
 
 import train_gpt
 from train_gpt import Muon
@@ -91,43 +95,59 @@ def test_newton_schulz_ignores_the_scale_of_its_input():
 
 # --- Muon's batched step -----------------------------------------------------------------------
 
-# batches (3, 16, 40) (a tall matrix transposed into it) and (2, 24, 24); small, so inductor
-# compiles fast
-MIXED = [(16, 40), (40, 16), (16, 40), (24, 24), (24, 24)]
-# compiled: one stacked shape, one graph (each costs seconds of C++ compile on a CPU); eager covers
-# two groups
-SHAPES_FOR = {False: MIXED, True: MIXED[:3]}
-
-
-@pytest.fixture
-def cpu_inductor():
-    with inductor_on_the_cpu():
-        yield
-
-
 def aspect_scale(p):
     return max(1, p.shape[0] / p.shape[1]) ** 0.5
 
 
+# The compiled cases: inductor's C++ on the CPU, seconds of one core, in a fork of the warm
+# interpreter on the background queue, beside the in-process tests
+COMPILED_CASES = """import sys
+sys.path.insert(0, {tests!r})
+import muon_worker
+muon_worker.compiled_cases(sys.argv[1])
+"""
+
+
+def compiled_in_background(request):
+    """The compiled cases' results (muon_worker.compiled_cases), once; gives the job's future."""
+    tmp = request.getfixturevalue("tmp_path_factory")
+
+    def run():
+        path = tmp.mktemp("muon_compiled") / "cases.pt"
+        code = COMPILED_CASES.format(tests=str(Path(__file__).resolve().parent))
+        result = WARM_PYTHON.run(code, [path], 300, env=worker_env(OMP_NUM_THREADS="1"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return torch.load(path)
+    return BACKGROUND.once("muon_compiled", run)
+
+
+def compiled_case(request, key):
+    """A compiled case's results: "batched" (batched_step), or scheduled_steps' with Nesterov (True)
+    or without (False)."""
+    return compiled_in_background(request).result()[key]
+
+
+COMPILED = pytest.param(True, marks=[pytest.mark.slow,
+                                     pytest.mark.background.with_args(compiled_in_background)])
+
+
 @pytest.mark.record18
-@pytest.mark.parametrize(
-    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
-)
-def test_batched_step_gives_each_matrix_its_own_iteration(cpu_inductor, compiled):
+@pytest.mark.parametrize("compiled", [False, COMPILED], ids=["eager", "compiled"])
+def test_batched_step_gives_each_matrix_its_own_iteration(request, compiled):
     """Matrices of scales 1e-3 to 10 in one batch: each is normalised alone, transposed back, scaled
     alone."""
-    torch.manual_seed(3)
-    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES_FOR[compiled]]
-    for i, p in enumerate(params):
-        p.grad = torch.randn(p.shape) * 10.0 ** (i - 3)
-    # momentum 0: the update is the gradient itself; lr 1: the step is the scaled update
-    Muon(params, lr=1.0, momentum=0.0, compiled=compiled).step()
-    for p in params:
-        update = -p.detach() / aspect_scale(p)
-        assert relative_error(update, newton_schulz_float64(p.grad, 5)) < 0.05
+    if compiled:
+        grads, params = compiled_case(request, "batched")
+        # compiled, once for all the cases
+        assert compiled_case(request, "graphs") == 1
+    else:
+        grads, params = muon_worker.batched_step(False)
+    for grad, p in zip(grads, params):
+        update = -p / aspect_scale(p)
+        assert relative_error(update, newton_schulz_float64(grad, 5)) < 0.05
         # inductor fuses the elementwise ops, rounding less often: only near float64
         if not compiled:
-            assert relative_error(update, newton_schulz_bf16(p.grad, 5)) < 1e-3
+            assert relative_error(update, newton_schulz_bf16(grad, 5)) < 1e-3
 
 
 def muon_float64(params, grads_per_step, schedule, nesterov):
@@ -145,32 +165,18 @@ def muon_float64(params, grads_per_step, schedule, nesterov):
 
 @pytest.mark.record18
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
-@pytest.mark.parametrize(
-    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
-)
-def test_muon_step_matches_float64(cpu_inductor, compiled, nesterov):
-    torch.manual_seed(4)
-    shapes = SHAPES_FOR[compiled]
-    start = [torch.randn(shape) for shape in shapes]
-    grads_per_step = [[torch.randn(shape) for shape in shapes] for _ in range(4)]
-    # the training loop sets both each step
-    schedule = [(0.05, 0.85), (0.04, 0.9), (0.03, 0.95), (0.02, 0.95)]
-    params = [torch.nn.Parameter(p.clone()) for p in start]
-    muon = Muon(params, lr=1.0, momentum=0.0, nesterov=nesterov, compiled=compiled)
-    for grads, (lr, m) in zip(grads_per_step, schedule):
-        for group in muon.param_groups:
-            group["lr"] = lr
-            group["momentum"] = m
-        for p, g in zip(params, grads):
-            p.grad = g
-        muon.step()
-    reference = muon_float64(start, grads_per_step, schedule, nesterov)
+@pytest.mark.parametrize("compiled", [False, COMPILED], ids=["eager", "compiled"])
+def test_muon_step_matches_float64(request, compiled, nesterov):
+    if compiled:
+        start, grads_per_step, params, state = compiled_case(request, nesterov)
+    else:
+        start, grads_per_step, params, state = muon_worker.scheduled_steps(False, nesterov)
+    reference = muon_float64(start, grads_per_step, SCHEDULE, nesterov)
     for p, p0, ref in zip(params, start, reference):
-        assert relative_error(p.detach() - p0, ref - p0) < 0.05  # the steps taken, to bf16 accuracy
+        assert relative_error(p - p0, ref - p0) < 0.05  # the steps taken, to bf16 accuracy
     # the optimiser state is the momentum alone; the stacked and gather buffers stay outside
     # checkpoints
-    state = muon.state_dict()["state"]
-    assert len(state) == len(shapes) and all(set(s) == {"momentum_buffer"} for s in state.values())
+    assert state == [["momentum_buffer"]] * len(start)
 
 
 # --- Muon, distributed ------------------------------------------------------------------------
