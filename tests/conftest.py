@@ -10,7 +10,7 @@ from processes import WARM_PYTHON
 from processes import kill_every_live_group
 
 # The warm interpreter's imports first: they run on the second core while this process imports
-# torch and collects the tests on the first, which the queue's first jobs would leave idle
+# torch and collects the tests on the first (the background queue starts after the collection)
 WARM_PYTHON.start()
 # torch's import and the test modules' collection with Python's collector off, their objects then
 # frozen out of later collections at session start (helpers.imported_frozen, for this process):

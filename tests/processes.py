@@ -1,7 +1,7 @@
 """The processes the tests start: their environment, their lifetime (each in a group of its own,
-killed whole when its test or the session ends) and the warm interpreter that forks the small ones.
-No torch here: conftest.py starts the warm interpreter first, so that its imports run beside this
-process's own and the collection."""
+killed whole when its test or the session ends) and the warm interpreter that forks those which need
+no launcher. No torch here: conftest.py starts the warm interpreter first, so that its imports run
+beside this process's own and the collection."""
 import atexit
 import contextlib
 import ctypes
@@ -138,7 +138,7 @@ def run_process(command, timeout, **kwargs):
 # -c CODE ARGS...` would (a session of its own, the request's environment, working directory and
 # output files, stdin empty; at its end the threads joined and the atexit functions run); the
 # child's process id answered at once, its exit code and CPU seconds once it has ended. The imports
-# are made with the collector off, their objects then frozen, as in imported_frozen(); inductor's
+# are made with the collector off, their objects then frozen (helpers.imported_frozen); inductor's
 # among them (about 2 s of each compiling child's CPU), none of its caches read or written. They
 # are made where `import triton` fails (as on macOS and Windows), which the smoke runs need and the
 # others do not mind; a child may make triton importable again (del sys.modules["triton"]).
