@@ -100,9 +100,9 @@ def aspect_scale(p):
 
 
 # The compiled cases: inductor's C++ on the CPU, seconds of one core, in a fork of the warm
-# interpreter on the background queue, beside the in-process tests
+# interpreter on the background queue, beside the in-process tests; in the folder tests/, where
+# `python -c` finds muon_worker and helpers
 COMPILED_CASES = """import sys
-sys.path.insert(0, {tests!r})
 import muon_worker
 muon_worker.compiled_cases(sys.argv[1])
 """
@@ -114,8 +114,8 @@ def compiled_in_background(request):
 
     def run():
         path = tmp.mktemp("muon_compiled") / "cases.pt"
-        code = COMPILED_CASES.format(tests=str(Path(__file__).resolve().parent))
-        result = WARM_PYTHON.run(code, [path], 300, env=worker_env(OMP_NUM_THREADS="1"))
+        result = WARM_PYTHON.run(COMPILED_CASES, [path], 300, cwd=Path(__file__).resolve().parent,
+                                 env=worker_env(OMP_NUM_THREADS="1"))
         assert result.returncode == 0, result.stderr[-3000:]
         return torch.load(path)
     return BACKGROUND.once("muon_compiled", run)
