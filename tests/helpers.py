@@ -385,8 +385,7 @@ def imported_frozen(*modules):
 # fails (as on macOS and Windows) as it did for the interpreter's imports, torch's included; then
 # triton is importable again.
 RUNS_IN_ONE_PROCESS = """import runpy, sys
-runs = {runs!r}
-for script, argv, without_triton in runs:
+for script, argv, without_triton in {runs!r}:
     if without_triton:
         sys.modules["triton"] = None
     elif "triton" in sys.modules and sys.modules["triton"] is None:
