@@ -58,24 +58,56 @@ BLOCK_SIZE = 128
 # <|endoftext|>, which precedes every document
 EOT = 50256
 
-def option(default, *rules, fixed=False, graph=0):
-    """A field of Hyperparameters with its facts. rules: (test of the value and the options, the
-    valid values in words), checked at start-up in field order, those whose words are a function of
-    the options (they read others) last. fixed: a resumed run keeps the checkpoint's value. graph:
-    its place in the compile cache's stamp, for an option that shapes compiled graphs (0: none)."""
+def option(default, *rules, fixed=False, graph=False):
+    """A field of Hyperparameters with its facts. rules: named rules (below), checked at start-up.
+    fixed: a resumed run keeps the checkpoint's value. graph: it shapes the compiled graphs, so the
+    compile cache's stamp names it. A plain field (`mlp_ratio: int = 4`) has none of these facts."""
     return field(default=default, metadata=dict(rules=rules, fixed=fixed, graph=graph))
 
-# rules that options share
+# Rules of options: a test of the value (and the other options), and the valid values in words
 AT_LEAST_0 = (lambda v, args: v >= 0, "at least 0")
 AT_LEAST_1 = (lambda v, args: v >= 1, "at least 1")
-SHARDS = (lambda v, args: v != "", "a glob of token shards or 'synthetic'")
-# the window, interpolated between its two ends, must hold a whole block at every step
-WINDOW = (lambda v, args: v >= BLOCK_SIZE, f"at least {BLOCK_SIZE} tokens (one attention block)")
-LEARNING_RATE = (lambda v, args: 0 <= v < math.inf, "finite and at least 0 (0 freezes)")
+ABOVE_0 = (lambda v, args: 0 < v < math.inf, "finite and above 0")
 # 1 would never let a gradient into the running averages
 BELOW_1 = (lambda v, args: 0 <= v < 1, "at least 0 and below 1")
+LEARNING_RATE = (lambda v, args: 0 <= v < math.inf, "finite and at least 0 (0 freezes)")
+FRACTION = (lambda v, args: 0 <= v <= 1, "from 0 (no decay) to 1 (decay from the first step)")
+SHARDS = (lambda v, args: v != "", "a glob of token shards or 'synthetic'")
+BLOCKS = (lambda v, args: v > 0 and v % BLOCK_SIZE == 0, f"a positive multiple of {BLOCK_SIZE}")
+# one packed sequence per forward, within Rotary's table of 65,536 positions
+MICRO_BATCH = (lambda v, args: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
+               f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536")
+# the window, interpolated between its two ends, must hold a whole block at every step
+WINDOW = (lambda v, args: v >= BLOCK_SIZE, f"at least {BLOCK_SIZE} tokens (one attention block)")
+GPT2_VOCAB = (lambda v, args: v > EOT,
+              f"at least {EOT + 1}: GPT-2 token ids go up to {EOT} (end of text)")
+U_NET_DEPTH = (lambda v, args: v >= 6 and v % 2 == 0,
+               "even, at least 6 (U-net halves, 3+3 value-embedded layers)")
+FOLDER = (lambda v, args: v != "" and not os.path.isfile(v),
+          "a folder name (not empty, not an existing file)")
+SEED = (lambda v, args: 0 <= v < 2 ** 64, "from 0 to 2**64 - 1 (torch.manual_seed's range)")
 FILE = (lambda v, args: v == "" or os.path.isfile(v), "an existing file, or '' (downloaded once)")
 AUTO = (lambda v, args: v in ("auto", "true", "false"), "auto (on with CUDA), true or false")
+NEEDS_TRITON = (lambda v, args: v != "true" or triton is not None,
+                "auto or false: triton, which its kernel needs, is not installed (`pip install "
+                "-r requirements.txt` installs it, on Linux only)")
+NOT_A_FOLDER = (lambda v, args: not os.path.isdir(v), "a file name or '' (off), not a folder")
+A_COMPILE_CACHE = (lambda v, args: not os.path.exists(v) or is_compile_cache(v),
+                   "a new file or a compile cache this trainer wrote (this file is not a compile "
+                   "cache and would be overwritten: pick another name)")
+
+def multiple_of(name, times=1, why=""):
+    """The rule: a positive multiple of `times` x another option's value (its words name it)."""
+    def valid(value, args):
+        return value > 0 and value % (times * getattr(args, name)) == 0
+
+    def words(args):
+        factor = f"{times} x " if times > 1 else ""
+        reason = f": {why}" if why else ""
+        return f"a positive multiple of {factor}--{name} ({times * getattr(args, name)}){reason}"
+    return valid, words
+
+HEAD_SIZE = multiple_of("num_heads", 4, "heads of a size divisible by 4 (rotary)")
 
 @dataclass
 class Hyperparameters:
@@ -85,39 +117,30 @@ class Hyperparameters:
     # data: globs of token shards, read in sorted name order ("synthetic": generated, no download)
     train_files: str = option("data/fineweb10B/fineweb_train_*.bin", SHARDS)
     val_files: str = option("data/fineweb10B/fineweb_val_*.bin", SHARDS)
-    val_tokens: int = option(10_485_760, (
-        lambda v, args: v > 0 and v % args.max_device_batch_size == 0,
-        lambda args: "a positive multiple of --max_device_batch_size "
-                     f"({args.max_device_batch_size})"))  # fixed by the record rules
-    allow_data_repeat: bool = option(False)  # read the train stream more than once (never a record)
+    # fixed by the record rules
+    val_tokens: int = option(10_485_760, multiple_of("max_device_batch_size"))
+    # read the train stream more than once (never a record)
+    allow_data_repeat: bool = option(False)
 
     # batch and schedule: tokens per step, whatever the number of processes
-    batch_size: int = option(8 * 64 * 1024, (lambda v, args: v > 0 and v % BLOCK_SIZE == 0,
-                                             f"a positive multiple of {BLOCK_SIZE}"), fixed=True)
-    # one packed sequence per forward (within Rotary's table); longer shares are accumulated
-    max_device_batch_size: int = option(64 * 1024, (
-        lambda v, args: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
-        f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536"), graph=11)
+    batch_size: int = option(8 * 64 * 1024, BLOCKS, fixed=True)
+    # one packed sequence per forward; a process's longer share is accumulated
+    max_device_batch_size: int = option(64 * 1024, MICRO_BATCH, graph=True)
     num_iterations: int = option(1390, AT_LEAST_1, fixed=True)
     # the lr decays linearly to 0 over the last 40% of the steps
-    cooldown_frac: float = option(0.4, (lambda v, args: 0 <= v <= 1,
-                                        "from 0 (no decay) to 1 (decay from the first step)"))
+    cooldown_frac: float = option(0.4, FRACTION)
     # the attention window in tokens at step 0 and at the end: 1 to 14 blocks of 128
     window_start: int = option(128, WINDOW)
     window_end: int = option(1856, WINDOW)
 
     # model: GPT-2's 50,257 tokens padded to a multiple of 128
-    vocab_size: int = option(50304, (lambda v, args: v > EOT, f"at least {EOT + 1}: GPT-2 token "
-                                     f"ids go up to {EOT} (end of text)"), fixed=True, graph=1)
-    num_layers: int = option(12, (lambda v, args: v >= 6 and v % 2 == 0, "even, at least 6 (U-net "
-                                  "halves, 3+3 value-embedded layers)"), fixed=True, graph=2)
-    num_heads: int = option(6, AT_LEAST_1, fixed=True, graph=3)
-    model_dim: int = option(768, (
-        lambda v, args: v > 0 and v % (4 * args.num_heads) == 0,
-        lambda args: f"a positive multiple of 4 x --num_heads ({4 * args.num_heads}): heads of a "
-                     "size divisible by 4 (rotary)"), fixed=True, graph=4)
-    attention_free_layer: int = option(7, AT_LEAST_0, fixed=True, graph=5)  # none if >= num_layers
-    bf16_embeds: bool = option(True, fixed=True, graph=6)
+    vocab_size: int = option(50304, GPT2_VOCAB, fixed=True, graph=True)
+    num_layers: int = option(12, U_NET_DEPTH, fixed=True, graph=True)
+    num_heads: int = option(6, AT_LEAST_1, fixed=True, graph=True)
+    model_dim: int = option(768, HEAD_SIZE, fixed=True, graph=True)
+    # none if >= num_layers
+    attention_free_layer: int = option(7, AT_LEAST_0, fixed=True, graph=True)
+    bf16_embeds: bool = option(True, fixed=True, graph=True)
 
     # optimisers: Adam for the embeddings, the head and the scalars; Muon for the block matrices
     embed_lr: float = option(0.6, LEARNING_RATE)
@@ -126,18 +149,16 @@ class Hyperparameters:
     adam_beta1: float = option(0.8, BELOW_1)
     adam_beta2: float = option(0.95, BELOW_1)
     # PyTorch's default, as in record 18 (a later record's 1e-10 measured worse with this schedule)
-    adam_eps: float = option(1e-8, (lambda v, args: 0 < v < math.inf, "finite and above 0"))
+    adam_eps: float = option(1e-8, ABOVE_0)
     muon_lr: float = option(0.05, LEARNING_RATE)
     muon_momentum_start: float = option(0.85, BELOW_1)
     muon_momentum: float = option(0.95, BELOW_1)
     muon_momentum_warmup_steps: int = option(300, AT_LEAST_0)
 
-    # evaluation and logging
-    val_loss_every: int = option(125, AT_LEAST_0)  # 0: only after the last step
-    log_dir: str = option("logs", (lambda v, args: v != "" and not os.path.isfile(v),
-                                   "a folder name (not empty, not an existing file)"))
-    seed: int = option(0, (lambda v, args: 0 <= v < 2 ** 64,
-                           "from 0 to 2**64 - 1 (torch.manual_seed's range)"))
+    # evaluation and logging; val_loss_every 0: only after the last step
+    val_loss_every: int = option(125, AT_LEAST_0)
+    log_dir: str = option("logs", FOLDER)
+    seed: int = option(0, SEED)
     # after the last step, outside train time: HellaSwag's 10,042 examples (evals/hellaswag.py,
     # downloaded once), or those of a JSON Lines file in its format
     hellaswag: bool = option(False)
@@ -150,25 +171,19 @@ class Hyperparameters:
     checkpoint_every: int = option(0, AT_LEAST_0)  # every N steps (0: never)
     resume: str = option("")  # a checkpoint to go on from; its options become the defaults
 
-    # compile and kernels
-    compile: str = option("auto", AUTO)  # auto: on CUDA only (FlexAttention has no CPU backward)
+    # compile and kernels; auto: on CUDA only (FlexAttention has no CPU backward)
+    compile: str = option("auto", AUTO)
     # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compiling
-    compile_tuning: bool = option(False, graph=10)
+    compile_tuning: bool = option(False, graph=True)
     # a file: compiled code loaded from it before compiling, saved to it after step 1; it is
     # replaced then, so a file that is not one of the trainer's caches never is
-    compile_cache: str = option("", (
-        lambda v, args: not os.path.isdir(v), "a file name or '' (off), not a folder"), (
-        lambda v, args: not os.path.exists(v) or is_compile_cache(v),
-        "a new file or a compile cache this trainer wrote (this file is not a compile cache and "
-        "would be overwritten: pick another name)"))
-    regional_compile: bool = option(False, graph=9)  # each block and the head compiled alone
+    compile_cache: str = option("", NOT_A_FOLDER, A_COMPILE_CACHE)
+    # each block and the head compiled alone
+    regional_compile: bool = option(False, graph=True)
     # softcap, cross-entropy and its gradient in one Triton kernel; auto: on with CUDA
-    fused_head_loss: str = option("auto", AUTO, (
-        lambda v, args: v != "true" or triton is not None, "auto or false: triton, which its "
-        "kernel needs, is not installed (`pip install -r requirements.txt` installs it, on Linux "
-        "only)"), graph=7)
+    fused_head_loss: str = option("auto", AUTO, NEEDS_TRITON, graph=True)
     # fused head: logits by chunks of rows (0: all at once)
-    head_chunk_rows: int = option(0, AT_LEAST_0, graph=8)
+    head_chunk_rows: int = option(0, AT_LEAST_0, graph=True)
 
 # A small model and a short run: under a minute on a 2-core CPU, every part exercised. A CPU step
 # is mostly the 50,304-wide head: so 12 steps, and 8x the record's head lr to learn in them. A step
@@ -290,6 +305,32 @@ class Muon(torch.optim.Optimizer):
             updates = torch._foreach_lerp(grads, buffers, momentum)
         wide = [u.mT if u.size(0) > u.size(1) else u for u in updates]
         torch._foreach_copy_(stacked[:len(mine)].unbind(), wide)
+
+    def state_dict(self):
+        """torch's format, with every matrix's momentum, each sent by the rank that keeps it (zero
+        before the first step): a collective, so every rank calls it; loadable on any count."""
+        momenta = {}
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                momenta[p] = self.state[p].get("momentum_buffer")
+                if momenta[p] is None:
+                    momenta[p] = torch.zeros_like(p)
+                if self.world_size > 1:
+                    dist.broadcast(momenta[p], src=i % self.world_size)
+        state = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        state["state"] = {i: dict(momentum_buffer=momenta[p]) for i, p in enumerate(params)}
+        return state
+
+    def load_state_dict(self, state_dict):
+        """A state_dict() of any process count: this rank keeps the momenta of its own matrices."""
+        owned = set()
+        first = 0
+        for group in self.param_groups:
+            owned.update(range(first + self.rank, first + len(group["params"]), self.world_size))
+            first += len(group["params"])
+        state = {i: s for i, s in state_dict["state"].items() if i in owned}
+        super().load_state_dict(dict(state_dict, state=state))
 
 # --------------------------------------------------------------------------------------------------
 # The model: a U-net GPT with value embeddings
@@ -500,14 +541,14 @@ class KVCache:
 # --------------------------------------------------------------------------------------------------
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
 
-def may_attend(q, k, docs, window_blocks):
+def may_attend(q, k, docs, window_blocks=None):
     """The definition of the mask: query q may attend to key k exactly when k <= q, both lie in the
-    same document (docs: each token's), and k's block is fewer than window_blocks blocks before q's.
-    Both masks below apply it: the dense one to every pair, the block mask's mask_mod too."""
-    causal = k <= q
-    in_window = k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks
-    same_document = docs[q] == docs[k]
-    return causal & in_window & same_document
+    same document (docs: each token's), and k's block is fewer than window_blocks blocks before q's
+    (no window when None: where the block lists hold it). Both masks below apply it."""
+    attend = (k <= q) & (docs[q] == docs[k])
+    if window_blocks is not None:
+        attend = attend & (k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks)
+    return attend
 
 def build_dense_mask(inputs, window_blocks, start=0):
     """The mask as a dense (T, T) boolean matrix: the CPU computes attention with it. Of a batch
@@ -554,7 +595,8 @@ def listed_rows(first, last, window_blocks):
 def build_block_mask(inputs, window_blocks):
     """FlexAttention's BlockMask for the dense mask above (FlexAttention in the speedrun:
     @KoszarskyB; block-wise sliding window: @YouJiacheng), built from block-level facts, without a
-    sort: compiled, a sort can take minutes to build."""
+    sort: compiled, a sort can take minutes to build. Built in a compiled region, its mask_mod is
+    record 18's, without the window; outside one, the whole mask, as eager flex_attention needs."""
     docs = (inputs == EOT).cumsum(0)
     first = docs[0::BLOCK_SIZE].contiguous()
     last = docs[BLOCK_SIZE - 1::BLOCK_SIZE].contiguous()
@@ -569,74 +611,59 @@ def build_block_mask(inputs, window_blocks):
                num_blocks - 1 - full.flip(-2)]
 
     def document_causal(b, h, q_idx, kv_idx):
-        """The whole mask token by token: compiled, it is applied in partial blocks only; uncompiled
-        flex_attention ignores the block lists and applies it to every pair."""
+        """Record 18's per-token test: compiled, FlexAttention applies it in partial blocks only,
+        and the window lies in the block lists."""
+        return may_attend(q_idx, kv_idx, docs)
+
+    def document_causal_window(b, h, q_idx, kv_idx):
+        """The whole mask token by token, for uncompiled flex_attention, which ignores the lists."""
         return may_attend(q_idx, kv_idx, docs, window_blocks)
 
+    mask_mod = document_causal_window
+    if torch.compiler.is_compiling():
+        mask_mod = document_causal
     seq_lengths = (len(inputs), len(inputs))
     return BlockMask(seq_lengths, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE),
-                     mask_mod=document_causal)
+                     mask_mod=mask_mod)
 
 # --------------------------------------------------------------------------------------------------
 # Data: token shards, and the loader that every rank walks in step
 
-def load_data_shard(path, vocab_size=None):
-    """A shard's tokens, read straight into (with CUDA, pinned) memory (@YouJiacheng); with
-    vocab_size, every id is checked on the host."""
+def load_data_shard(path):
+    """A shard's tokens, read straight into (with CUDA, pinned) memory (@YouJiacheng)."""
     num_tokens = read_shard_header(path)
     tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=torch.cuda.is_available())
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         if f.readinto(tokens.numpy()) != 2 * num_tokens:
             raise UserError(f"{path}: file changed while reading")
-    ids = tokens.numpy()
-    if vocab_size is not None and num_tokens > 0 and ids.max() >= vocab_size:
-        at = int(np.argmax(ids >= vocab_size))
-        raise UserError(f"{path}: token id {ids[at]} at position {at:,} is not below --vocab_size "
-                        f"{vocab_size}: shards made with another tokenizer (pass its "
-                        "--vocab_size), or a corrupt file (FineWeb: "
-                        "`python data/cached_fineweb10B.py N --verify` replaces it)")
     return tokens
 
 class DistributedDataLoader:
     """All ranks walk one global token stream: of each batch, rank r takes the r-th share (and one
-    more token, the last target). Shards are read in sorted name order, wrapping around."""
-    def __init__(self, files_pattern, rank, world_size, device, hint=None, vocab_size=None):
+    more token, the last target). Shards are read in sorted name order, wrapping around, each by
+    read_shard (the trainer's checks a shard against what it was at start-up)."""
+    def __init__(self, files_pattern, rank, world_size, device, read_shard=load_data_shard):
         self.files = sorted(glob.glob(files_pattern))
-        if not self.files:
-            raise no_shard_error(files_pattern, hint)
-        # every header now: a bad shard fails at start-up, not hours in; what reopen_shard checks
-        self.facts = [shard_facts(path) for path in self.files]
-        self.sizes = [facts[0] for facts in self.facts]
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.vocab_size = vocab_size
-        self.group = None  # set by train(): see reopen_shard
-        self.shard = None  # none loaded yet
+        self.read_shard = read_shard
+        # none loaded yet
+        self.shard = None
         self.reset()
-
-    def batches_before_wrap(self, batch_size):
-        """How many whole batches next_batch takes from the shards before it wraps around."""
-        for path, n in zip(self.files, self.sizes):
-            # next_batch takes a batch while pos + batch + 1 < tokens
-            if n < batch_size + 2:
-                raise UserError(f"{path}: {n:,} tokens, fewer than one batch of {batch_size:,} + 2 "
-                                "(the last target and the loader's margin): use other shards or a "
-                                "smaller batch")
-        return sum((n - 2) // batch_size for n in self.sizes)
 
     def reset(self, shard=0, pos=0):
         """Go to a position in a shard, the start of the first by default. Evaluation comes back to
         shard 0 each time: the shard in memory is not read again."""
         if shard != self.shard:
-            self.tokens = reopen_shard(self, shard)
+            self.tokens = self.read_shard(self.files[shard])
         self.shard = shard
         self.pos = pos
 
     def next_batch(self, batch_size):
         """This rank's share of the next batch: inputs (int32), targets (int64, shifted by one)."""
-        # build_loaders checked that every shard holds a batch
+        # the trainer checks at start-up that every shard holds a batch
         if self.pos + batch_size + 1 >= len(self.tokens):
             self.reset((self.shard + 1) % len(self.files))
         share = batch_size // self.world_size
@@ -704,147 +731,97 @@ def evaluate(model, loader, args, val_batch, window_blocks):
 # Training
 
 def micro_batch_plan(args, world_size):
-    """Micro-batch size, micro-batches a step and val batch, checked against the process count."""
+    """Each process's micro-batch, the micro-batches of a step, and the validation batch."""
     share = args.batch_size // world_size
-    val_batch = world_size * args.max_device_batch_size
     micro_batch = min(args.max_device_batch_size, share)
-    if args.batch_size % world_size:
-        counts = [str(n) for n in range(1, 9) if args.batch_size % (n * BLOCK_SIZE) == 0]
-        other_batch = "" if args.resume else ", or a --batch_size divisible by the process count"
-        raise UserError(f"the global batch of {args.batch_size} tokens does not divide among "
-                        f"{world_size} processes; use {', '.join(counts)} processes{other_batch}")
-    if share % micro_batch or micro_batch % BLOCK_SIZE:
-        raise UserError(f"each process's {share} tokens must split into equal micro-batches, "
-                        f"multiples of {BLOCK_SIZE} of at most --max_device_batch_size "
-                        f"{args.max_device_batch_size}")
-    if args.val_tokens % val_batch:
-        raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x "
-                        f"--max_device_batch_size = {val_batch}")
-    return micro_batch, share // micro_batch, val_batch
+    return micro_batch, share // micro_batch, world_size * args.max_device_batch_size
 
-def build_model(args, device, world_size, compiled, log):
+def build_model(args, run):
     """The model (seeded), its optimisers, and the module that trains: compiled with static shapes
     as in record 18 (one graph per shape, none per step), and in DDP with several processes."""
     torch.manual_seed(args.seed)
-    model = GPT.from_args(args, device).to(device)
+    model = GPT.from_args(args, run.device).to(run.device)
     # the fused head only where it computes what GPT.head_loss does (a fork may change that)
-    check_fused_head(model, args.fused_head_loss, log)
-    adam, muon = build_optimizers(model, args, compiled=compiled)
+    run.check_fused_head(model)
+    optimizers = build_optimizers(model, args, compiled=run.compiled)
     train_model = model
-    if compiled and args.compile_tuning:
+    if run.compiled and args.compile_tuning:
         # not in record 18: on an H100, a first compile of 514 s instead of 120 s, for 0.5% faster
         from torch._inductor import config as inductor_config
         inductor_config.coordinate_descent_tuning = True
-    if compiled and args.regional_compile:
+    if run.compiled and args.regional_compile:
         train_model = compile_regions(model)
-    elif compiled:
+    elif run.compiled:
         train_model = torch.compile(model, dynamic=False)
-    if world_size > 1:
-        device_ids = [device.index] if device.type == "cuda" else None
+    if run.world_size > 1:
+        device_ids = [run.device.index] if run.device.type == "cuda" else None
         train_model = DDP(train_model, device_ids=device_ids, broadcast_buffers=False,
                           gradient_as_bucket_view=True)
-    return model, train_model, adam, muon
+    return model, train_model, optimizers
 
 # the first steps compile and warm up: train time starts after them, as in the record
 UNTIMED_STEPS = 10
 
 def train(args, checkpoint=None):
-    """One run: set-up, then validation, checkpoints, training, logging; returns the exit code."""
-    rank, world_size, device = setup_device()
-    hellaswag_examples = load_hellaswag(args)
-    micro_batch, accum_steps, val_batch = micro_batch_plan(args, world_size)
-    train_loader, val_loader, passes = build_loaders(args, rank, world_size, device, val_batch)
-    compiled = switched_on(args.compile, device)
-    stamp = compile_cache_stamp(args, world_size, device)
-    cache_note = load_compile_cache(args.compile_cache, stamp, compiled)
-    if world_size > 1:
-        start_process_group(device)
-    master = (rank == 0)
-    with (RunLog(args, master, hellaswag_examples) as log, out_of_memory_as_error(micro_batch),
-          CleanStop(world_size, log) as stop):
-        log.header(args, world_size, device, train_loader, val_loader, passes, cache_note)
-        train_loader.group = stop.group
-        val_loader.group = stop.group
-        model, train_model, adam, muon = build_model(args, device, world_size, compiled, log)
-        start, timing = resume(checkpoint, log, model, adam, muon, train_loader)
-        clock = TrainClock(device, start, *timing)
-        train_losses = TrainLossLog(log, device, args.num_iterations, accum_steps)
+    """One run: its set-up, then at each step validation and checkpoints, training, logging; returns
+    the exit code. `run` keeps it safe (below the fence): the checks before step 1, the data, the
+    log and its clock, the stop that all ranks agree on, checkpoints, the last line."""
+    with Run(args, checkpoint) as run:
+        train_loader, val_loader = run.train_loader, run.val_loader
+        micro_batch, accum_steps, val_batch = micro_batch_plan(args, run.world_size)
+        model, train_model, optimizers = build_model(args, run)
+        adam, muon = optimizers
+        # 0, or the step a checkpoint goes on from (its weights, optimiser states, data position)
+        start = run.resume(model, optimizers)
         # a device tensor changed in place: the compiled graph sees a new value, not a new constant
-        window_blocks = torch.tensor(window_blocks_at(0, args), dtype=torch.int32, device=device)
-        train_steps = args.num_iterations
-        saved = None
-        for step in range(start, train_steps + 1):
-            last_step = (step == train_steps)
-            if step == clock.timed_from:
-                clock.restart()
+        window_blocks = torch.tensor(0, dtype=torch.int32, device=run.device)
+        for step in range(start, args.num_iterations + 1):
             window_blocks.fill_(window_blocks_at(step, args))
-            # every rank calls this at every step: its collective runs at the same place on all
-            stop_signal = stop.agreed(step)
-            stopping = (stop_signal != 0) and (step > start) and (not last_step)
 
             # --------------- VALIDATION AND CHECKPOINTS (not train time) ---------------
-            final_checkpoint = args.save_checkpoint and (stopping or last_step)
-            scheduled_checkpoint = args.checkpoint_every > 0 and step % args.checkpoint_every == 0
-            periodic_checkpoint = (args.checkpoint_every > 0) and (stopping or scheduled_checkpoint)
-            checkpoint_now = (step > start) and (final_checkpoint or periodic_checkpoint)
-            scheduled_validation = (args.val_loss_every > 0) and (step % args.val_loss_every == 0)
-            validate_now = (not stopping) and (last_step or scheduled_validation)
-            if checkpoint_now or validate_now:
-                clock.pause()
-                train_losses.write(wait=True)
-                if checkpoint_now:
-                    saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, clock)
-                if validate_now:
+            # the same on every rank, stop signals included
+            due = run.due(step)
+            if due.checkpoint or due.validation:
+                run.clock.pause()
+                if due.checkpoint:
+                    run.save_checkpoint(step)
+                if due.validation:
                     val_loss = evaluate(train_model, val_loader, args, val_batch, window_blocks)
-                    average = step_avg(clock.ms, clock.timed_steps(step))
-                    log(f"step:{step}/{train_steps} val_loss:{val_loss:.4f} "
-                        f"train_time:{clock.ms:.0f}ms step_avg:{average:.2f}ms")
-                    stop_if_diverged(val_loss, step)
-                clock.resume()
+                    run.log_val_loss(step, val_loss)
+                run.clock.resume()
             # the last step only validates; a stop ends after its checkpoint
-            if last_step or stopping:
+            if due.end:
                 break
 
             # --------------- TRAINING SECTION ---------------
-            with checkpoint_on_data_fault(args, log, step, model, adam, muon, train_loader, clock):
-                inputs, targets = train_loader.next_batch(args.batch_size)
+            inputs, targets = train_loader.next_batch(args.batch_size)
+            train_loss = 0
             micro_batches = zip(inputs.split(micro_batch), targets.split(micro_batch))
             for i, (micro_inputs, micro_targets) in enumerate(micro_batches):
                 # DDP all-reduces the gradients once a step, in the last micro-batch's backward
                 gradient_sync = contextlib.nullcontext()
-                if world_size > 1 and i < accum_steps - 1:
+                if run.world_size > 1 and i < accum_steps - 1:
                     gradient_sync = train_model.no_sync()
                 with gradient_sync:
                     loss = train_model(micro_inputs, micro_targets, window_blocks)
                     # each loss is its micro-batch's mean: divided by their number, the summed
                     # gradients are the mean over the step's batch, whatever the process count
                     (loss / accum_steps).backward()
-                train_losses.add(step, loss)
+                train_loss = train_loss + loss.detach()
             for group in (*adam.param_groups, *muon.param_groups):
                 group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
             for group in muon.param_groups:
                 group["momentum"] = muon_momentum(step, args)
-            adam.step()
-            muon.step()
+            for optimizer in optimizers:
+                optimizer.step()
             model.zero_grad(set_to_none=True)
 
             # --------------- LOGGING ---------------
-            train_losses.step_done(step, clock)
-            # all has compiled now: evaluation at step 0, the model and the optimisers in step 1
-            if step == start:
-                synchronize(device)
-                train_losses.write(wait=True)
-                log(startup_report(args, compiled, stamp, master, step + 1))
-        train_losses.write(wait=True)
-        log(f"peak memory consumption: {peak_memory_mib(device)} MiB")
-        if hellaswag_examples and not stopping:
-            stopping, stop_signal = hellaswag_examples.score(model, args, log, stop)
-        if stopping or log.failure:
-            log_stop(log, stop_signal, step, saved, world_size)
-    if world_size > 1:
-        # no rank tears the process group down while another still writes or reduces
-        dist.barrier()
-    return exit_code(log, stopping, stop_signal)
+            # rank 0's mean train loss, written without a wait for the device
+            run.log_train_loss(step, train_loss / accum_steps)
+        # peak memory, then HellaSwag with --hellaswag, outside train time
+        run.finish(model)
+    return run.exit_code
 
 # ==================================================================================================
 # Above: the speedrun; a change to its model, optimiser or schedule needs nothing below the fence.
@@ -853,7 +830,7 @@ def train(args, checkpoint=None):
 # ==================================================================================================
 
 import argparse
-import datetime
+import collections
 import filecmp
 import hashlib
 import importlib.metadata
@@ -867,7 +844,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import traceback
 import uuid
 import zipfile
@@ -1069,7 +1045,7 @@ def check_fused_head(model, option, log):
     log(f"fused head loss off: {reason}; the plain head computes it")
 
 # --------------------------------------------------------------------------------------------------
-# Device set-up; data budget: the shards a run reads, whether they suffice, the smoke data
+# Checks: the launch, the options, the device
 
 # What torchrun sets for each process. Left over in a shell, they make a process a rank of no run:
 # RANK=1 trains with no log and wrong Muon updates; WORLD_SIZE=2 waits 30 minutes for a second.
@@ -1085,6 +1061,29 @@ def check_launch_environment():
         raise UserError(f"{settings} set in the environment, but this process was not started by "
                         f"torchrun: for one process, `unset {' '.join(found)}` first; for several, "
                         "launch with ./run.sh or torchrun, which set them", every_rank=True)
+
+def option_facts():
+    """Each option's facts, from option(): {name: dict(rules=, fixed=, graph=)}; a plain field's
+    (no option()): no rules, not fixed, no part in the compile stamp."""
+    plain = dict(rules=(), fixed=False, graph=False)
+    return {f.name: dict(plain, **f.metadata) for f in fields(Hyperparameters)}
+
+def check_hyperparameters(args):
+    """Refuse any value that cannot work, naming the option and its valid range: each field's rules
+    in field order, then those that read other options (words that are a function of them)."""
+    checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
+    checks.sort(key=lambda check: callable(check[1][1]))
+    for name, (valid, allowed) in checks:
+        value = getattr(args, name)
+        if valid(value, args):
+            continue
+        if callable(allowed):
+            allowed = allowed(args)
+        raise UserError(f"--{name} must be {allowed}; got {value!r}")
+
+def switched_on(option, device):
+    """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
+    return option == "true" or (option == "auto" and device.type == "cuda")
 
 def nvidia_smi_gpus():
     """(name, driver) of each GPU that nvidia-smi lists; none when it does not answer."""
@@ -1123,6 +1122,23 @@ def setup_device():
     torch.cuda.set_device(device)
     return rank, world_size, device
 
+def check_batch_plan(args, world_size):
+    """The global batch must divide among the processes, and each share into micro-batches."""
+    if args.batch_size % world_size:
+        counts = [str(n) for n in range(1, 9) if args.batch_size % (n * BLOCK_SIZE) == 0]
+        other_batch = "" if args.resume else ", or a --batch_size divisible by the process count"
+        raise UserError(f"the global batch of {args.batch_size} tokens does not divide among "
+                        f"{world_size} processes; use {', '.join(counts)} processes{other_batch}")
+    micro_batch, _, val_batch = micro_batch_plan(args, world_size)
+    share = args.batch_size // world_size
+    if share % micro_batch or micro_batch % BLOCK_SIZE:
+        raise UserError(f"each process's {share} tokens must split into equal micro-batches, "
+                        f"multiples of {BLOCK_SIZE} of at most --max_device_batch_size "
+                        f"{args.max_device_batch_size}")
+    if args.val_tokens % val_batch:
+        raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x "
+                        f"--max_device_batch_size = {val_batch}")
+
 def start_process_group(device):
     if device.type == "cuda":
         dist.init_process_group(backend="nccl", device_id=device)
@@ -1148,75 +1164,8 @@ def out_of_memory_as_error(micro_batch):
                         f"--max_device_batch_size {micro_batch // 2} (half usually fits; the "
                         "global batch and the maths stay the same)", every_rank=True) from None
 
-def fetch_hint(num_iterations, batch_size):
-    """The command that fetches the FineWeb shards a run reads."""
-    # whole batches in a 100M-token shard
-    batches_per_shard = max(1, (100_000_000 - 2) // batch_size)
-    needed = math.ceil(num_iterations / batches_per_shard)
-    # beyond one shard, a spare one: the record's usual advice (9 for the 8 that 1,390 steps read)
-    shards = "1`"
-    if needed > 1:
-        shards = f"{needed + 1}` (this run reads {needed} train shards)"
-    return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
-
-def no_shard_error(pattern, hint):
-    """No shard matches: a [ or ? in the glob (a folder `run[1]`: [1] matches "1") is named."""
-    escaped = re.sub(r"([\[?])", r"[\1]", pattern)
-    advice = f"{hint or fetch_hint(1, 1)}, or point --train_files/--val_files at your shards"
-    if escaped != pattern:
-        advice = f"[ and ? are glob characters: {escaped!r} matches them as such; else {advice}"
-    if glob.glob(escaped):
-        advice = f"[ and ? are glob characters: {escaped!r} matches them as such"
-    return UserError(f"no data shard matches {pattern!r}: {advice}")
-
-def shard_facts(path, expected=None):
-    """A shard's tokens (header checked), size, change time and inode; one line for a file that is
-    not a regular readable one, or (expected: the facts at start-up) one that changed since."""
-    since = "" if expected is None else " since the run started"
-    try:
-        info = os.stat(path)
-        if not os.path.isfile(path):
-            raise IsADirectoryError(0, "a folder, a pipe or a device, not a token shard")
-        facts = (read_shard_header(path), info.st_size, info.st_mtime_ns, info.st_ino)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read this shard{since} ({e.strerror}): narrow "
-                        "--train_files or --val_files to readable shards, or restore it") from None
-    if expected not in (None, facts):
-        raise UserError(f"{path}: changed since the run started ({expected[0]:,} tokens then, "
-                        f"{facts[0]:,} now): restore it")
-    return facts
-
-def reopen_shard(loader, shard):
-    """A shard's tokens; gone, unreadable or changed, it ends the run on all ranks: they agree on
-    the CPU group of the stop flag, with no wait for the device."""
-    failure = ""
-    try:
-        shard_facts(loader.files[shard], loader.facts[shard])
-        tokens = load_data_shard(loader.files[shard], loader.vocab_size)
-    except UserError as e:
-        failure = str(e)
-    if loader.group is not None:
-        failed = torch.tensor(len(failure))
-        dist.all_reduce(failed, dist.ReduceOp.MAX, group=loader.group)
-        if failed.item() and not failure:
-            failure = f"{loader.files[shard]}: another process of the run could not read it again"
-    if failure:
-        raise UserError(failure)
-    return tokens
-
-@contextlib.contextmanager
-def checkpoint_on_data_fault(args, log, step, model, adam, muon, train_loader, clock):
-    """A shard failing mid-run ends the run after a due checkpoint; a resume rereads its batch."""
-    try:
-        yield
-    except UserError as fault:
-        if args.save_checkpoint or args.checkpoint_every > 0:
-            clock.pause()
-            saved = save_checkpoint(args, log, step, model, adam, muon, train_loader, clock)
-            world_size = dist.get_world_size() if dist.is_initialized() else 1
-            if saved:
-                raise UserError(f"{fault}, then: {resume_command(saved, world_size)}") from None
-        raise
+# --------------------------------------------------------------------------------------------------
+# Data budget: the shards a run reads, whether they suffice, the smoke data
 
 # a shard: a header of 256 little-endian int32 (magic, version, token count), then uint16 tokens
 SHARD_MAGIC = 20240520
@@ -1250,6 +1199,16 @@ def write_data_shard(path, tokens):
     header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
     Path(path).write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
 
+def check_vocabulary(path, tokens, vocab_size):
+    """Every id of a shard below the vocabulary size (on the host, as each shard is loaded)."""
+    ids = tokens.numpy()
+    if len(ids) > 0 and ids.max() >= vocab_size:
+        at = int(np.argmax(ids >= vocab_size))
+        raise UserError(f"{path}: token id {ids[at]} at position {at:,} is not below --vocab_size "
+                        f"{vocab_size}: shards made with another tokenizer (pass its "
+                        "--vocab_size), or a corrupt file (FineWeb: "
+                        "`python data/cached_fineweb10B.py N --verify` replaces it)")
+
 def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     """EOT-led documents of 40 to 399 tokens of a Markov chain (learnable far below ln(vocab))."""
     table = np.random.default_rng(chain_seed).integers(0, vocab, size=(vocab, successors)).tolist()
@@ -1267,6 +1226,132 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
         tokens[filled:filled + len(document)] = document[:num_tokens - filled]
         filled += len(document)
     return tokens
+
+def fetch_hint(num_iterations, batch_size):
+    """The command that fetches the FineWeb shards a run reads."""
+    # whole batches in a 100M-token shard
+    batches_per_shard = max(1, (100_000_000 - 2) // batch_size)
+    needed = math.ceil(num_iterations / batches_per_shard)
+    # beyond one shard, a spare one: the record's usual advice (9 for the 8 that 1,390 steps read)
+    shards = "1`"
+    if needed > 1:
+        shards = f"{needed + 1}` (this run reads {needed} train shards)"
+    return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
+
+def no_shard_error(pattern, hint):
+    """No shard matches: a [ or ? in the glob (a folder `run[1]`: [1] matches "1") is named."""
+    escaped = re.sub(r"([\[?])", r"[\1]", pattern)
+    advice = f"{hint}, or point --train_files/--val_files at your shards"
+    if escaped != pattern:
+        advice = f"[ and ? are glob characters: {escaped!r} matches them as such; else {advice}"
+    if glob.glob(escaped):
+        advice = f"[ and ? are glob characters: {escaped!r} matches them as such"
+    return UserError(f"no data shard matches {pattern!r}: {advice}")
+
+def shard_facts(path, expected=None):
+    """A shard's tokens (header checked), size, change time and inode; one line for a file that is
+    not a regular readable one, or (expected: the facts at start-up) one that changed since."""
+    since = "" if expected is None else " since the run started"
+    try:
+        info = os.stat(path)
+        if not os.path.isfile(path):
+            raise IsADirectoryError(0, "a folder, a pipe or a device, not a token shard")
+        facts = (read_shard_header(path), info.st_size, info.st_mtime_ns, info.st_ino)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read this shard{since} ({e.strerror}): narrow "
+                        "--train_files or --val_files to readable shards, or restore it") from None
+    if expected not in (None, facts):
+        raise UserError(f"{path}: changed since the run started ({expected[0]:,} tokens then, "
+                        f"{facts[0]:,} now): restore it")
+    return facts
+
+def batches_before_wrap(files, sizes, batch_size):
+    """How many whole batches the loader takes from the shards before it wraps around."""
+    for path, n in zip(files, sizes):
+        # next_batch takes a batch while pos + batch + 1 < tokens
+        if n < batch_size + 2:
+            raise UserError(f"{path}: {n:,} tokens, fewer than one batch of {batch_size:,} + 2 "
+                            "(the last target and the loader's margin): use other shards or a "
+                            "smaller batch")
+    return sum((n - 2) // batch_size for n in sizes)
+
+def prepare_shards(args, split, num_tokens):
+    """The glob of a split's shards; for "synthetic", the seeded stream, written by each rank."""
+    pattern = getattr(args, f"{split}_files")
+    if pattern != "synthetic":
+        return pattern
+    name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
+    path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
+    make_writable_folder(path.parent, "--log_dir")
+    tmp = temp_path(path)
+    try:
+        stream = markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed)
+        write_data_shard(tmp, stream)
+    except (OSError, MemoryError) as e:
+        # its temp file goes at the next start (remove_stale_temp_files)
+        raise UserError(f"cannot write the synthetic shard {path} of {num_tokens:,} tokens "
+                        f"({getattr(e, 'strerror', 'out of memory')}): free some space") from None
+    os.replace(tmp, path)
+    return glob.escape(str(path))
+
+def check_data(args, train_files, val_files, sizes, val_batch, hint):
+    """No val shard among the train shards (a link or a copy neither), and tokens enough for the
+    run (without reading one twice, unless allowed); returns the passes over the train shards."""
+    train_paths = {os.path.realpath(path) for path in train_files}
+    in_both = train_paths & {os.path.realpath(path) for path in val_files}
+    if in_both:
+        raise UserError(f"{min(in_both)} is matched by both --train_files and --val_files: a run "
+                        "must never train on its validation data; narrow one of the globs")
+    # under another name too (a hard link: one file; a copy: shards of the same size, compared)
+    for val_path in val_files:
+        for train_path in train_files:
+            same = sizes[train_path] == sizes[val_path] and (
+                os.path.samefile(train_path, val_path)
+                or filecmp.cmp(train_path, val_path, shallow=False))
+            if same:
+                raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
+                                "(a copy or a link): a run must never train on its validation "
+                                "data; take it out of the train shards or narrow --train_files")
+    train_sizes = [sizes[path] for path in train_files]
+    train_batches = batches_before_wrap(train_files, train_sizes, args.batch_size)
+    passes = args.num_iterations / train_batches
+    fewer_steps = "" if args.resume else ", lower --num_iterations"
+    if passes > 1 and not args.allow_data_repeat:
+        raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} "
+                        f"train tokens ({args.num_iterations * args.batch_size:,} tokens) but the "
+                        f"train shards hold {sum(train_sizes):,}, enough for "
+                        f"{train_batches} without repeating: {hint}{fewer_steps}, or pass "
+                        "--allow_data_repeat true to reuse tokens")
+    val_sizes = [sizes[path] for path in val_files]
+    val_batches = batches_before_wrap(val_files, val_sizes, val_batch)
+    if args.val_tokens // val_batch > val_batches:
+        raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
+                        f"({sum(val_sizes):,} tokens, {val_batches * val_batch:,} in whole "
+                        f"batches of {val_batch:,}): lower --val_tokens, or add val shards")
+    return passes
+
+# --------------------------------------------------------------------------------------------------
+# Run log: rank 0's logs/<run id>.txt (this file's source, the set-up), train time, step lines
+
+def to_console(line, stream=None):
+    """Print a line on stdout (or the stream given). A console gone away (a closed pipe) never ends
+    the run: the stream writes to os.devnull from then on, and no later print fails (any code's)."""
+    stream = stream or sys.stdout
+    try:
+        print(line, file=stream, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+def tell_launcher(line, code=1):
+    """Leave this process's last line and exit code in the file torchrun names for it, in torchrun's
+    format: its report of a failed run quotes the line of the first process that failed."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time())), exit_code=code))
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps(dict(message=message)))
 
 def make_writable_folder(folder, option):
     """Make the folder and write in it: an unusable place fails now, naming the option to change."""
@@ -1315,164 +1400,13 @@ def remove_stale_temp_files(args):
                 removed.append(path)
     return removed
 
-def prepare_shards(args, split, num_tokens):
-    """The glob of a split's shards; for "synthetic", the seeded stream, written by each rank."""
-    pattern = getattr(args, f"{split}_files")
-    if pattern != "synthetic":
-        return pattern
-    name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
-    path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
-    make_writable_folder(path.parent, "--log_dir")
-    tmp = temp_path(path)
-    try:
-        stream = markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed)
-        write_data_shard(tmp, stream)
-    except (OSError, MemoryError) as e:
-        # its temp file goes at the next start (remove_stale_temp_files)
-        raise UserError(f"cannot write the synthetic shard {path} of {num_tokens:,} tokens "
-                        f"({getattr(e, 'strerror', 'out of memory')}): free some space") from None
-    os.replace(tmp, path)
-    return glob.escape(str(path))
-
-def build_loaders(args, rank, world_size, device, val_batch):
-    """The train and val loaders, after checking from the shards' headers that the data suffices."""
-    hint = fetch_hint(args.num_iterations, args.batch_size)
-    train_pattern = prepare_shards(args, "train", args.num_iterations * args.batch_size + 2)
-    train_loader = DistributedDataLoader(train_pattern, rank, world_size, device, hint,
-                                         args.vocab_size)
-    val_pattern = prepare_shards(args, "val", args.val_tokens + 2)
-    val_loader = DistributedDataLoader(val_pattern, rank, world_size, device, hint, args.vocab_size)
-    # the first val shard is loaded and checked already; val shards are few
-    for path in val_loader.files[1:]:
-        load_data_shard(path, args.vocab_size)
-    train_paths = {os.path.realpath(path) for path in train_loader.files}
-    val_paths = {os.path.realpath(path) for path in val_loader.files}
-    in_both = train_paths & val_paths
-    if in_both:
-        raise UserError(f"{min(in_both)} is matched by both --train_files and --val_files: a run "
-                        "must never train on its validation data; narrow one of the globs")
-    # under another name too (a hard link: one file; a copy: shards of the same size, compared)
-    for val_path, val_size in zip(val_loader.files, val_loader.sizes):
-        for train_path, train_size in zip(train_loader.files, train_loader.sizes):
-            same = train_size == val_size and (os.path.samefile(train_path, val_path)
-                                               or filecmp.cmp(train_path, val_path, shallow=False))
-            if same:
-                raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
-                                "(a copy or a link): a run must never train on its validation "
-                                "data; take it out of the train shards or narrow --train_files")
-    train_batches = train_loader.batches_before_wrap(args.batch_size)
-    passes = args.num_iterations / train_batches
-    fewer_steps = "" if args.resume else ", lower --num_iterations"
-    if passes > 1 and not args.allow_data_repeat:
-        raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} "
-                        f"train tokens ({args.num_iterations * args.batch_size:,} tokens) but the "
-                        f"train shards hold {sum(train_loader.sizes):,}, enough for "
-                        f"{train_batches} without repeating: {hint}{fewer_steps}, or pass "
-                        "--allow_data_repeat true to reuse tokens")
-    val_batches = val_loader.batches_before_wrap(val_batch)
-    if args.val_tokens // val_batch > val_batches:
-        raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
-                        f"({sum(val_loader.sizes):,} tokens, {val_batches * val_batch:,} in whole "
-                        f"batches of {val_batch:,}): lower --val_tokens, or add val shards")
-    return train_loader, val_loader, passes
-
-# --------------------------------------------------------------------------------------------------
-# Run log: rank 0's logs/<run id>.txt (this file's source, the set-up), train time, step lines
-
-def to_console(line, stream=None):
-    """Print a line on stdout (or the stream given). A console gone away (a closed pipe) never ends
-    the run: the stream writes to os.devnull from then on, and no later print fails (any code's)."""
-    stream = stream or sys.stdout
-    try:
-        print(line, file=stream, flush=True)
-    except OSError:
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
-
-def tell_launcher(line, code=1):
-    """Leave this process's last line and exit code in the file torchrun names for it, in torchrun's
-    format: its report quotes the line; ./run.sh prints it last and exits with the code."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time())), exit_code=code))
-    with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps(dict(message=message)))
-
-def peer_store():
-    """A client of the key-value store that torchrun serves to every process of the run."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=10))
-
-def peer_key(name):
-    """A key of this run's attempt (torchrun may restart one) in that store."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"train_gpt/{os.environ['TORCHELASTIC_RUN_ID']}/{attempt}/{name}"
-
-def post_to_rank_zero(line):
-    """A failing rank's last line, for rank 0's log (PeerErrors): why the run ended, any node."""
-    with contextlib.suppress(Exception):
-        store = peer_store()
-        number = store.add(peer_key("errors"), 1)
-        store.set(peer_key(f"error{number}"), line)
-
-def peer_lost(error):
-    """A collective failed as another process died: one line naming the first to post; else None."""
-    backend_failure = r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed out|NCCL|gloo"
-    if not (isinstance(error, RuntimeError) and re.search(backend_failure, str(error))
-            and dist.is_initialized() and dist.get_world_size() > 1):
-        return None
-    first = "none left a line: killed, or its node lost; torchrun's report names it"
-    with contextlib.suppress(Exception):
-        store = peer_store()
-        if store.add(peer_key("errors"), 0) > 0:
-            first = f"the first to fail: {store.get(peer_key('error1')).decode()}"
-    return UserError(f"another process of the run stopped answering ({first}); this one ends too")
-
-# seconds between rank 0's looks for other ranks' last lines
-PEER_POLL_SECONDS = 1.0
-
-class PeerErrors:
-    """Rank 0's log gets the lines other ranks post as they fail, from a thread that polls every
-    PEER_POLL_SECONDS: the main thread may be stuck in a collective with a dead rank until torchrun
-    ends it."""
-    def __init__(self, log):
-        self.log = log
-        self.written = 0
-        self.store = peer_store()
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-
-    def _watch(self):
-        # a store that fails (its server gone) ends the watch, quietly
-        with contextlib.suppress(Exception):
-            while not self.stopped.wait(PEER_POLL_SECONDS):
-                self._catch_up()
-
-    def _catch_up(self):
-        posted = self.store.add(peer_key("errors"), 0)
-        for number in range(self.written + 1, posted + 1):
-            self.log(self.store.get(peer_key(f"error{number}")).decode(), console=False)
-        self.written = posted
-
-    def close(self, failed):
-        """Stop the watch; after a failure, one more look, as rank 0 may have seen it first."""
-        self.stopped.set()
-        self.thread.join(timeout=10)
-        if failed and not self.thread.is_alive():
-            with contextlib.suppress(Exception):
-                self._catch_up()
-
 class RunLog(contextlib.AbstractContextManager):
     """Rank 0 writes the log (the other ranks' calls do nothing), its header naming the temp files
     of earlier writes cut short that it removed. A line that cannot be written (a full disk) closes
     the file and sets `failure`: the ranks then stop as on a signal (CleanStop), and the line saying
-    so goes to stderr. Rank 0's log also gets the last line of any rank that fails (PeerErrors)."""
+    so goes to stderr."""
     def __init__(self, args, master, hellaswag=None):
         self.file = None
-        self.peers = None
-        self.lock = threading.Lock()
         self.run_id = str(uuid.uuid4())
         self.master = master
         self.removed = []
@@ -1495,26 +1429,21 @@ class RunLog(contextlib.AbstractContextManager):
                 raise UserError(f"cannot write to the log {self.path} ({e.strerror}): free some "
                                 "space or pick another --log_dir") from None
             self.removed = remove_stale_temp_files(args)
-            # a store that cannot be reached costs the watch, not the run
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                with contextlib.suppress(RuntimeError):
-                    self.peers = PeerErrors(self)
 
     def __call__(self, line, console=True):
-        """Log a line (locked: PeerErrors' thread writes too); print it unless console is False."""
+        """Log a line; print it (on the stream given as console) unless console is False."""
         if not self.master:
             return
         if console is True:
             to_console(line)
         elif console:
             to_console(line, console)
-        with self.lock:
-            if self.file:
-                try:
-                    print(line, file=self.file, flush=True)
-                except OSError as e:
-                    self.failure = f"cannot write to the log {self.path} ({e.strerror})"
-                    self.close()
+        if self.file:
+            try:
+                print(line, file=self.file, flush=True)
+            except OSError as e:
+                self.failure = f"cannot write to the log {self.path} ({e.strerror})"
+                self.close()
 
     def close(self):
         if self.file:
@@ -1524,10 +1453,6 @@ class RunLog(contextlib.AbstractContextManager):
             self.file = None
 
     def __exit__(self, kind, error, trace):
-        # the other ranks' lines first: the log ends with this rank's own
-        if self.peers:
-            self.peers.close(failed=error is not None)
-        error = peer_lost(error) or error
         # main() prints a UserError; Python prints any other error's traceback, here kept in the log
         if isinstance(error, UserError):
             self(f"error: {error}", console=False)
@@ -1535,7 +1460,7 @@ class RunLog(contextlib.AbstractContextManager):
             self("".join(traceback.format_exception(kind, error, trace)).rstrip(), console=False)
         self.close()
 
-    def header(self, args, world_size, device, train_loader, val_loader, passes, cache_note):
+    def header(self, args, world_size, device, loaders, passes, cache_note):
         """Versions, GPUs, options and shards into the log; the data line on the console too."""
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         lines = [f"Running Python {sys.version}",
@@ -1550,7 +1475,7 @@ class RunLog(contextlib.AbstractContextManager):
                 lines.append(f"nvidia-smi: no table ({type(e).__name__}: {e})")
         lines += ["=" * 100, "hyperparameters:"]
         lines += [f"  {name} = {value}" for name, value in asdict(args).items()]
-        for name, loader in (("train", train_loader), ("val", val_loader)):
+        for name, loader in zip(("train", "val"), loaders):
             lines.append(f"{name} shards ({len(loader.files)}): {' '.join(loader.files)}")
         self("\n".join(lines), console=False)
         source = ""
@@ -1580,14 +1505,18 @@ class TrainClock:
     def restart(self):
         self.ms = self.resumed_ms
         self.t0 = time.perf_counter()
+        self.running = True
 
     def pause(self):
-        synchronize(self.device)
-        self.ms += 1000 * (time.perf_counter() - self.t0)
+        if self.running:
+            synchronize(self.device)
+            self.ms += 1000 * (time.perf_counter() - self.t0)
+            self.running = False
 
     def resume(self):
         synchronize(self.device)
         self.t0 = time.perf_counter()
+        self.running = True
 
     def elapsed_ms(self):
         """Train time so far, without waiting for the device: approximate."""
@@ -1601,27 +1530,22 @@ def step_avg(train_time_ms, timed_steps):
     return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
 class TrainLossLog:
-    """The step lines with each step's mean train loss over rank 0's micro-batches, without a sync
-    in the step: the device sums the losses and copies the sum to pinned host memory behind an
-    event; a line is written once its event has passed (asked each step) or the host waits."""
-    def __init__(self, log, device, train_steps, accum_steps):
+    """The step lines with each step's train loss, without a sync in the step: the loss is copied to
+    pinned host memory behind an event; a line is written once its event has passed (asked each
+    step) or the host waits."""
+    def __init__(self, log, device, train_steps):
         self.log = log
         self.device = device
         self.train_steps = train_steps
-        self.accum_steps = accum_steps
-        self.sums = torch.zeros(train_steps, device=device)
-        self.host_sums = torch.zeros(train_steps, pin_memory=device.type == "cuda")
+        self.host_losses = torch.zeros(train_steps, pin_memory=device.type == "cuda")
         # (step, train time, step_avg, event) of the steps whose lines are not written yet
         self.pending = []
 
-    def add(self, step, loss):
-        self.sums[step].add_(loss.detach())
-
-    def step_done(self, step, clock):
+    def step_done(self, step, loss, clock):
         """Queue the step's line, with the train time so far (approximate: no device wait)."""
         train_time_ms = clock.elapsed_ms()
         average = step_avg(train_time_ms, clock.timed_steps(step + 1))
-        self.host_sums[step].copy_(self.sums[step], non_blocking=True)
+        self.host_losses[step].copy_(loss, non_blocking=True)
         # on the CPU the copy is done already
         event = None
         if self.device.type == "cuda":
@@ -1639,17 +1563,9 @@ class TrainLossLog:
             if event is not None:
                 event.synchronize()
             self.pending.pop(0)
-            loss = self.host_sums[step].item() / self.accum_steps
+            loss = self.host_losses[step].item()
             self.log(f"step:{step + 1}/{self.train_steps} train_loss:{loss:.4f} "
                      f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
-
-def exit_code(log, stopping, stop_signal):
-    """1 when the log failed; after a stop signal, 128 + its number, as if it ended the process."""
-    if log.failure or stop_signal == LOG_WRITE_FAILED:
-        return 1
-    if stopping:
-        return 128 + stop_signal
-    return 0
 
 # --------------------------------------------------------------------------------------------------
 # Compile options (build_model's regional compile) and the compile cache
@@ -1675,15 +1591,13 @@ COMPILE_CACHE_HEADER = "train_gpt compile cache: "
 def compile_cache_stamp(args, world_size, device):
     """What compiled code depends on (a cache with another stamp is not used): the versions, the
     device, the process count (DDP splits the graph at its buckets on 2 or more; Muon stacks each
-    process's share), the micro-batch, and the options with a graph fact (option()), in order."""
+    process's share), the micro-batch, and the options that shape graphs (option()), in order."""
     installed = importlib.metadata.distributions(name="triton")
     triton_version = next((d.version for d in installed), None)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     processes = "1 process" if world_size == 1 else f"{world_size} processes"
     micro_batch, _, _ = micro_batch_plan(args, world_size)
-    facts = option_facts()
-    graph_options = sorted((name for name in facts if facts[name]["graph"]),
-                           key=lambda name: facts[name]["graph"])
+    graph_options = [name for name, facts in option_facts().items() if facts["graph"]]
     options = ", ".join(f"--{name} {getattr(args, name)}" for name in graph_options)
     return (f"{COMPILE_CACHE_HEADER}torch {torch.__version__}, triton {triton_version}, {gpu}, "
             f"{processes}, micro-batch {micro_batch}, {options}")
@@ -1763,15 +1677,16 @@ def startup_report(args, compiled, stamp, master, step):
     return line
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints, resume and stopping; HellaSwag after the last step (--hellaswag)
+# Checkpoints and stopping; HellaSwag after the last step (--hellaswag)
 
 # steps between exchanges of the stop flag among processes
 STOP_CHECK_EVERY = 5
 # the stop flag, above every signal number, when rank 0 cannot write its log
 LOG_WRITE_FAILED = 256
-# this file, read once: checkpoints carry it, and evals/ build their model from it
+# this file, read once: checkpoints carry it (evals/ build their model from it), and its path
 SOURCE = Path(__file__).read_bytes()
 SOURCE_SHA256 = hashlib.sha256(SOURCE).hexdigest()
+SCRIPT = os.path.realpath(__file__)
 
 def stop_if_diverged(val_loss, step):
     # every rank sees the same reduced loss, so all stop here
@@ -1841,34 +1756,15 @@ def resume_command(path, world_size):
             f"rendezvous options) on every node, with {script_and_options}; only this node has "
             "the checkpoint: copy it to the same path on the others")
 
-def log_stop(log, stop_signal, step, saved, world_size):
-    """The last line of the log and of stderr: which signal stopped the run, or the log's failure,
-    and how to go on (from an earlier checkpoint where the stop's own could not be written)."""
-    if not log.master:
-        return
-    if saved:
-        how = f"resume with: {resume_command(saved, world_size)}"
-    elif log.unsaved_step == step and log.checkpoints:
-        last_step, last = log.checkpoints[-1]
-        how = (f"its checkpoint could not be written (see the warning above): from step "
-               f"{last_step}, resume with: {resume_command(last, world_size)}")
-    elif log.unsaved_step == step:
-        how = "its checkpoint could not be written (see the warning above), nor any before it"
-    else:
-        how = "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
-    if log.failure:
-        line = f"error: {log.failure}: stopped after step {step}; {how}"
-    else:
-        line = f"stopped by {signal.Signals(stop_signal).name} after step {step}; {how}"
-    log(line, console=sys.stderr)
-    tell_launcher(line, exit_code(log, True, stop_signal))
-
-def train_shards(args, loader=None):
-    """The train shards' name:tokens (none if "synthetic"); a loader's as they were at start-up."""
-    if loader is not None and args.train_files != "synthetic":
-        return [f"{os.path.basename(path)}:{n}" for path, n in zip(loader.files, loader.sizes)]
-    paths = sorted(glob.glob(args.train_files))
-    return [f"{os.path.basename(path)}:{shard_facts(path)[0]}" for path in paths]
+def train_shards(args, files=None, facts=None):
+    """The train shards' name:tokens (none if "synthetic"): of the files given, with their facts at
+    start-up (by path), or of those the glob matches now."""
+    if args.train_files == "synthetic":
+        return []
+    if files is None:
+        files = sorted(glob.glob(args.train_files))
+    counts = [facts[path][0] if facts else shard_facts(path)[0] for path in files]
+    return [f"{os.path.basename(path)}:{n}" for path, n in zip(files, counts)]
 
 def load_checkpoint(argv, path):
     """A checkpoint, and its options overridden by those given on the command line (if allowed)."""
@@ -1902,24 +1798,18 @@ def load_checkpoint(argv, path):
         note += f"; options changed: {changes}"
     return args, dict(checkpoint, note=note)
 
-def resume(checkpoint, log, model, adam, muon, train_loader):
-    """Load this rank's part of a checkpoint (each part popped: freed); the start step, timing."""
-    if checkpoint is None:
-        return 0, (0.0, 0)
-    model.load_state_dict(checkpoint.pop("model"))
-    # the learning rates and the other settings of this run, the state of the checkpoint
-    adam_state = dict(checkpoint.pop("adam"), param_groups=adam.state_dict()["param_groups"])
-    adam.load_state_dict(adam_state)
+def optimizer_states(checkpoint, model, optimizers):
+    """The checkpoint's state of each optimiser, in torch's format; from a checkpoint of the earlier
+    format too (Adam's state, and Muon's momenta by parameter name)."""
+    if "optimizers" in checkpoint:
+        return checkpoint.pop("optimizers")
+    adam, muon = optimizers
     names = {p: name for name, p in model.named_parameters()}
+    matrices = [p for group in muon.param_groups for p in group["params"]]
     momenta = checkpoint.pop("muon")
-    for group in muon.param_groups:
-        for p in group["params"][muon.rank::muon.world_size]:
-            muon.state[p]["momentum_buffer"] = momenta[names[p]].to(p.device)
-    train_loader.reset(*checkpoint["loader"])
-    log(checkpoint["note"])
-    if checkpoint["source_sha256"] != SOURCE_SHA256:
-        log("warning: resumed by another train_gpt.py than the one that wrote the checkpoint")
-    return checkpoint["step"], checkpoint["timing"]
+    state = {i: dict(momentum_buffer=momenta[names[p]]) for i, p in enumerate(matrices)}
+    groups = torch.optim.Optimizer.state_dict(muon)["param_groups"]
+    return [checkpoint.pop("adam"), dict(state=state, param_groups=groups)]
 
 def tensor_bytes(state, storages=None):
     """A nested state's tensor bytes, each storage once: torch.save's size, less a few KiB."""
@@ -1935,29 +1825,11 @@ def tensor_bytes(state, storages=None):
             tensor_bytes(value, storages)
     return sum(storages.values())
 
-def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
-    """Rank 0 writes a temp file and renames it into place (never half a checkpoint); every rank
-    takes part, each holding the Muon momenta of its own matrices. A write that fails (a full disk)
-    is a warning: the partial file goes, the last one stays, training goes on; rank 0 gets None."""
+def write_checkpoint(state, path, log, args):
+    """Rank 0's write: a temp file renamed into place (never half a checkpoint); the last two this
+    run wrote are kept. A write that fails (a full disk) is a warning, its partial file gone, the
+    last checkpoint kept, training going on: None then, else the path."""
     started = time.perf_counter()
-    names = {p: name for name, p in model.named_parameters()}
-    momenta = {}
-    for group in muon.param_groups:
-        for i, p in enumerate(group["params"]):
-            # matrix i is rank (i % W)'s, the one holding its momentum
-            momenta[names[p]] = muon.state[p].get("momentum_buffer", torch.zeros_like(p))
-            if muon.world_size > 1:
-                dist.broadcast(momenta[names[p]], src=i % muon.world_size)
-    path = os.path.join(args.log_dir, log.run_id, f"state_step{step:06d}.pt")
-    if not log.master:
-        return path
-    # before the first timed step, no time has been counted
-    timed_steps = clock.timed_steps(step)
-    timing = (clock.ms if timed_steps else 0.0, timed_steps)
-    state = dict(step=step, model=model.state_dict(), adam=adam.state_dict(), muon=momenta,
-                 loader=(train_loader.shard, train_loader.pos), timing=timing, args=asdict(args),
-                 source=SOURCE, source_sha256=SOURCE_SHA256,
-                 train_shards=train_shards(args, train_loader))
     tmp = temp_path(path)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -1975,6 +1847,7 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
             error = error.__cause__ or error.__context__
         if error is None:
             raise
+        step = state["step"]
         log.unsaved_step = step
         needed = tensor_bytes(state) / 2 ** 20
         free = "? MiB are"
@@ -1989,7 +1862,7 @@ def save_checkpoint(args, log, step, model, adam, muon, train_loader, clock):
         if args.save_checkpoint and step == args.num_iterations:
             log.failure = f"the final checkpoint could not be written ({reason})"
         return None
-    log.checkpoints.append((step, path))
+    log.checkpoints.append((state["step"], path))
     # the last two this run wrote are kept: the older ones of its own, and no other file, go
     while len(log.checkpoints) > 2:
         _, old = log.checkpoints.pop(0)
@@ -2012,32 +1885,239 @@ def load_hellaswag(args):
                         f"script, in {Path(__file__).resolve().parent} ({e})") from None
 
 # --------------------------------------------------------------------------------------------------
-# Options (each read from its field's facts), arguments and main
+# The run: what train() reaches below the fence
 
-def option_facts():
-    """Each option's facts, from its field (option()): {name: dict(rules=, fixed=, graph=)}."""
-    for f in fields(Hyperparameters):
-        if "rules" not in f.metadata:
-            raise UserError(f"the option {f.name} has no facts: declare its field with "
-                            "option(DEFAULT, RULES..., fixed=..., graph=...)")
-    return {f.name: f.metadata for f in fields(Hyperparameters)}
+# what a step does before training: checkpoint, validate, end the run after them
+Due = collections.namedtuple("Due", "checkpoint validation end")
 
-def check_hyperparameters(args):
-    """Refuse any value that cannot work, naming the option and its valid range: each field's rules
-    in field order, then those that read other options (words that are a function of them)."""
-    checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
-    checks.sort(key=lambda check: callable(check[1][1]))
-    for name, (valid, allowed) in checks:
-        value = getattr(args, name)
-        if valid(value, args):
-            continue
-        if callable(allowed):
-            allowed = allowed(args)
-        raise UserError(f"--{name} must be {allowed}; got {value!r}")
+class Run(contextlib.AbstractContextManager):
+    """What keeps a run safe, for train(). Entered: the checks and set-up before step 1 (device,
+    --hellaswag's data, the batch, the shards and their budget, the compile cache, the process
+    group, the log, stop signals); then what each step does before training (due), the log's
+    lines and clock, checkpoints (after a data fault too), and at its end the last line."""
+    def __init__(self, args, checkpoint=None):
+        self.args = args
+        self.checkpoint = checkpoint
+        self.rank, self.world_size, self.device = setup_device()
+        self.master = self.rank == 0
+        self.compiled = switched_on(args.compile, self.device)
+        # each shard's facts at start-up, by path; the CPU group on which the ranks agree
+        self.facts = {}
+        self.group = None
+        # the step under way (due() sets it), once the state to checkpoint is known (resume())
+        self.step = None
+        self.saved_step = None
+        self.saved = None
+        self.stopping = False
+        self.stop_signal = 0
 
-def switched_on(option, device):
-    """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
-    return option == "true" or (option == "auto" and device.type == "cuda")
+    def __enter__(self):
+        args = self.args
+        self.hellaswag = load_hellaswag(args)
+        check_batch_plan(args, self.world_size)
+        micro_batch, _, val_batch = micro_batch_plan(args, self.world_size)
+        hint = fetch_hint(args.num_iterations, args.batch_size)
+        self.train_loader = self.loader("train", args.num_iterations * args.batch_size + 2, hint)
+        self.val_loader = self.loader("val", args.val_tokens + 2, hint)
+        sizes = {path: facts[0] for path, facts in self.facts.items()}
+        passes = check_data(args, self.train_loader.files, self.val_loader.files, sizes,
+                            val_batch, hint)
+        self.stamp = compile_cache_stamp(args, self.world_size, self.device)
+        cache_note = load_compile_cache(args.compile_cache, self.stamp, self.compiled)
+        if self.world_size > 1:
+            start_process_group(self.device)
+        with contextlib.ExitStack() as stack:
+            self.log = stack.enter_context(RunLog(args, self.master, self.hellaswag))
+            stack.enter_context(out_of_memory_as_error(micro_batch))
+            self.stop = stack.enter_context(CleanStop(self.world_size, self.log))
+            self.group = self.stop.group
+            loaders = (self.train_loader, self.val_loader)
+            self.log.header(args, self.world_size, self.device, loaders, passes, cache_note)
+            self.exits = stack.pop_all()
+        return self
+
+    def __exit__(self, kind, error, trace):
+        if error is None and (self.stopping or self.log.failure):
+            self.log_stop()
+        suppressed = self.exits.__exit__(kind, error, trace)
+        if error is None and self.world_size > 1:
+            # no rank tears the process group down while another still writes or reduces
+            dist.barrier()
+        return suppressed
+
+    def loader(self, split, num_tokens, hint):
+        """A split's loader, every shard's header checked now (a bad shard fails at start-up, not
+        hours in), each one it opens checked again (read_shard); the val shards all loaded now."""
+        pattern = prepare_shards(self.args, split, num_tokens)
+        files = sorted(glob.glob(pattern))
+        if not files:
+            raise no_shard_error(pattern, hint)
+        for path in files:
+            self.facts[path] = shard_facts(path)
+        loader = DistributedDataLoader(pattern, self.rank, self.world_size, self.device,
+                                       read_shard=self.read_shard)
+        # the first is loaded and checked already; val shards are few
+        for path in files[1:] if split == "val" else []:
+            check_vocabulary(path, load_data_shard(path), self.args.vocab_size)
+        return loader
+
+    def read_shard(self, path):
+        """A shard's tokens, checked against its facts at start-up: one gone, unreadable or changed
+        ends the run on every rank (they agree on the CPU group, without waiting for the device),
+        after the step's checkpoint where checkpoints are on."""
+        failure = ""
+        try:
+            shard_facts(path, self.facts.get(path))
+            tokens = load_data_shard(path)
+            check_vocabulary(path, tokens, self.args.vocab_size)
+        except UserError as e:
+            failure = str(e)
+        if self.group is not None:
+            failed = torch.tensor(len(failure))
+            dist.all_reduce(failed, dist.ReduceOp.MAX, group=self.group)
+            if failed.item() and not failure:
+                failure = f"{path}: another process of the run could not read it again"
+        checkpoints = self.args.save_checkpoint or self.args.checkpoint_every > 0
+        if failure and self.step is not None and checkpoints:
+            if self.saved_step != self.step:
+                self.save_checkpoint(self.step)
+            if self.saved or not self.master:
+                path = self.checkpoint_path(self.step)
+                failure = f"{failure}, then: {resume_command(path, self.world_size)}"
+        if failure:
+            raise UserError(failure)
+        return tokens
+
+    def check_fused_head(self, model):
+        check_fused_head(model, self.args.fused_head_loss, self.log)
+
+    def resume(self, model, optimizers):
+        """What checkpoints hold from now on: the model, its optimisers, the train loader's place.
+        Resuming, this rank's part of the checkpoint is loaded (each part popped: freed). Returns
+        the step the run starts at; its clock and step lines start there."""
+        self.model = model
+        self.optimizers = optimizers
+        self.start = 0
+        timing = (0.0, 0)
+        checkpoint = self.checkpoint
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint.pop("model"))
+            for optimizer, state in zip(optimizers,
+                                        optimizer_states(checkpoint, model, optimizers)):
+                # the checkpoint's state, this run's settings (its learning rates, ...)
+                settings = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]
+                optimizer.load_state_dict(dict(state, param_groups=settings))
+            self.train_loader.reset(*checkpoint["loader"])
+            self.log(checkpoint["note"])
+            if checkpoint["source_sha256"] != SOURCE_SHA256:
+                self.log("warning: resumed by another train_gpt.py than the one that wrote the "
+                         "checkpoint")
+            self.start = checkpoint["step"]
+            timing = checkpoint["timing"]
+        self.clock = TrainClock(self.device, self.start, *timing)
+        self.train_losses = TrainLossLog(self.log, self.device, self.args.num_iterations)
+        return self.start
+
+    def due(self, step):
+        """What this step does before training, the same on every rank: whether it checkpoints,
+        validates, and ends the run (the last step, or a stop agreed by all: every rank calls this
+        at every step, for the stop flag's exchange)."""
+        args = self.args
+        self.step = step
+        if step == self.clock.timed_from:
+            self.clock.restart()
+        self.stop_signal = self.stop.agreed(step)
+        last_step = step == args.num_iterations
+        self.stopping = self.stop_signal != 0 and step > self.start and not last_step
+        final = args.save_checkpoint and (self.stopping or last_step)
+        scheduled = args.checkpoint_every > 0 and step % args.checkpoint_every == 0
+        periodic = args.checkpoint_every > 0 and (self.stopping or scheduled)
+        checkpoint = step > self.start and (final or periodic)
+        scheduled_validation = args.val_loss_every > 0 and step % args.val_loss_every == 0
+        validation = not self.stopping and (last_step or scheduled_validation)
+        return Due(checkpoint, validation, end=last_step or self.stopping)
+
+    def checkpoint_path(self, step):
+        return os.path.join(self.args.log_dir, self.log.run_id, f"state_step{step:06d}.pt")
+
+    def save_checkpoint(self, step):
+        """Every rank takes part (the optimisers' state_dict may gather from each); rank 0 writes
+        (write_checkpoint). Outside train time."""
+        self.train_losses.write(wait=True)
+        self.clock.pause()
+        optimizer_states = [optimizer.state_dict() for optimizer in self.optimizers]
+        self.saved_step = step
+        if not self.master:
+            return
+        # before the first timed step, no time has been counted
+        timed_steps = self.clock.timed_steps(step)
+        timing = (self.clock.ms if timed_steps else 0.0, timed_steps)
+        loader = self.train_loader
+        state = dict(step=step, model=self.model.state_dict(), optimizers=optimizer_states,
+                     loader=(loader.shard, loader.pos), timing=timing, args=asdict(self.args),
+                     source=SOURCE, source_sha256=SOURCE_SHA256, script=SCRIPT,
+                     train_shards=train_shards(self.args, loader.files, self.facts))
+        self.saved = write_checkpoint(state, self.checkpoint_path(step), self.log, self.args)
+
+    def log_val_loss(self, step, val_loss):
+        self.train_losses.write(wait=True)
+        average = step_avg(self.clock.ms, self.clock.timed_steps(step))
+        self.log(f"step:{step}/{self.args.num_iterations} val_loss:{val_loss:.4f} "
+                 f"train_time:{self.clock.ms:.0f}ms step_avg:{average:.2f}ms")
+        stop_if_diverged(val_loss, step)
+
+    def log_train_loss(self, step, loss):
+        self.train_losses.step_done(step, loss, self.clock)
+        # all has compiled now: evaluation at step 0, the model and the optimisers in step 1
+        if step == self.start:
+            synchronize(self.device)
+            self.train_losses.write(wait=True)
+            self.log(startup_report(self.args, self.compiled, self.stamp, self.master, step + 1))
+
+    def finish(self, model):
+        """The peak memory line; then, with --hellaswag, its scores (a stop signal may end them)."""
+        self.train_losses.write(wait=True)
+        self.log(f"peak memory consumption: {peak_memory_mib(self.device)} MiB")
+        if self.hellaswag and not self.stopping:
+            self.stopping, self.stop_signal = self.hellaswag.score(model, self.args, self.log,
+                                                                   self.stop)
+
+    def log_stop(self):
+        """The last line of the log and of stderr: which signal stopped the run, or the log's
+        failure, and how to go on (from an earlier checkpoint where the stop's own failed)."""
+        if not self.master:
+            return
+        log = self.log
+        if self.saved:
+            how = f"resume with: {resume_command(self.saved, self.world_size)}"
+        elif log.unsaved_step == self.step and log.checkpoints:
+            last_step, last = log.checkpoints[-1]
+            how = (f"its checkpoint could not be written (see the warning above): from step "
+                   f"{last_step}, resume with: {resume_command(last, self.world_size)}")
+        elif log.unsaved_step == self.step:
+            how = "its checkpoint could not be written (see the warning above), nor any before it"
+        else:
+            how = ("no checkpoint was written (--checkpoint_every N or --save_checkpoint true "
+                   "write one)")
+        if log.failure:
+            line = f"error: {log.failure}: stopped after step {self.step}; {how}"
+        else:
+            signal_name = signal.Signals(self.stop_signal).name
+            line = f"stopped by {signal_name} after step {self.step}; {how}"
+        log(line, console=sys.stderr)
+        tell_launcher(line, self.exit_code)
+
+    @property
+    def exit_code(self):
+        """1 when the log failed; after a stop signal, 128 + its number (as if it ended the run)."""
+        if self.log.failure or self.stop_signal == LOG_WRITE_FAILED:
+            return 1
+        if self.stopping:
+            return 128 + self.stop_signal
+        return 0
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and main
 
 def parse_bool(text):
     if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -2059,14 +2139,11 @@ def parse_args(argv=None, resumed=None):
     namespace = parser.parse_args(argv)
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
-def last_words(line, console=True, own=True):
-    """A process's final error line: on stderr, in the error file torchrun gave it, and, if it is
-    this rank's own error (not one every rank met), from a rank other than 0 into rank 0's log."""
+def last_words(line, console=True):
+    """A process's final error line: on stderr, and in the error file torchrun gave it."""
     if console:
         to_console(line, sys.stderr)
     tell_launcher(line)
-    if own and dist.is_initialized() and dist.get_rank() != 0:
-        post_to_rank_zero(f"rank {dist.get_rank()}: {line}")
 
 def main(argv=None):
     # before anything initialises CUDA: fewer fragmentation stalls as the window grows
@@ -2083,13 +2160,9 @@ def main(argv=None):
     except UserError as e:
         # once a node (local rank 0), so every node's console has it; every_rank: on each rank
         console = e.every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0
-        last_words(f"error: {e}", console=console, own=e.every_rank)
+        last_words(f"error: {e}", console=console)
         return 1
     except Exception as e:
-        lost = peer_lost(e)
-        if lost:
-            last_words(f"error: {lost}", console=os.environ["LOCAL_RANK"] == "0", own=False)
-            return 1
         # its traceback follows; the first line of the message (C++ errors add a stack) for the rest
         first_line = next(iter(str(e).splitlines()), "")
         last_words(f"error: unexpected {type(e).__name__}: {first_line} (its traceback is above)",

@@ -6,7 +6,10 @@ another function; uncompiled flex_attention, which reads only the BlockMask's ma
 dense mask; every option's facts beside its field, read by the option checks, the resume and the
 compile cache. Fast, nothing compiled: `python -m pytest tests/test_fork_paths.py -q`.
 """
+import ast
 import dataclasses
+import inspect
+import re
 from dataclasses import fields
 
 import pytest
@@ -234,14 +237,20 @@ def test_a_run_asking_for_the_fused_head_of_a_rewritten_logits_stops_at_start_up
 
 # --- one edit per option: its facts beside its field ----------------------------------------------
 
-def test_every_option_declares_its_facts_beside_its_field():
-    for f in fields(Hyperparameters):
-        assert {"rules", "fixed", "graph"} <= set(f.metadata), (
-            f"--{f.name} has no facts: declare its field as `{f.name}: {f.type.__name__} = "
-            "option(DEFAULT, RULES..., fixed=..., graph=...)` (train_gpt.option says what each is)")
-    places = sorted(f.metadata["graph"] for f in fields(Hyperparameters) if f.metadata["graph"])
-    assert places == list(range(1, len(places) + 1)), (
-        "graph: an option that shapes the compiled graphs takes the next free place in the stamp")
+def test_every_option_is_one_line_with_named_rules_and_the_stamp_follows_the_fields():
+    """One line per option in the dataclass, its rules named (no lambda in the class), and the
+    compile stamp names the options that shape graphs in the order of their fields."""
+    tree = ast.parse(inspect.getsource(Hyperparameters))
+    body = tree.body[0].body
+    options = [node for node in body if isinstance(node, ast.AnnAssign)]
+    assert [node.target.id for node in options] == [f.name for f in fields(Hyperparameters)]
+    for node in options:
+        assert node.lineno == node.end_lineno, f"--{node.target.id}: its field takes more lines"
+    assert not any(isinstance(node, ast.Lambda) for node in ast.walk(tree.body[0]))
+    stamp = train_gpt.compile_cache_stamp(Hyperparameters(), 1, torch.device("cpu"))
+    named = re.findall(r"--(\w+) ", stamp)
+    graph = [f.name for f in fields(Hyperparameters) if f.metadata.get("graph")]
+    assert named == graph and "vocab_size" in named and "seed" not in named
 
 
 def fork_with_one_more_option(monkeypatch, declared):
@@ -261,7 +270,7 @@ def saved_checkpoint(path, args):
 def test_an_option_added_as_one_field_is_checked_fixed_on_resume_and_stamped(
         monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
-    declared = train_gpt.option(4, train_gpt.AT_LEAST_1, fixed=True, graph=12)
+    declared = train_gpt.option(4, train_gpt.AT_LEAST_1, fixed=True, graph=True)
     fork_with_one_more_option(monkeypatch, declared)
     assert train_gpt.main(["--preset", "smoke", "--mlp_ratio", "0", "--log_dir", "logs"]) == 1
     assert capsys.readouterr().err == "error: --mlp_ratio must be at least 1; got 0\n"
@@ -274,13 +283,19 @@ def test_an_option_added_as_one_field_is_checked_fixed_on_resume_and_stamped(
     assert stamps[0].endswith(", --mlp_ratio 4") and stamps[1].endswith(", --mlp_ratio 8")
 
 
-def test_an_option_added_without_facts_is_one_line_saying_what_to_add(monkeypatch, tmp_path,
-                                                                       capsys):
+def test_an_option_added_as_a_plain_field_is_an_option_with_no_rule(monkeypatch, tmp_path):
+    """`mlp_ratio: int = 4`, without option(): a command-line option, checked by no rule, which a
+    resumed run may change, and no part of the compile stamp."""
+    monkeypatch.chdir(tmp_path)
     fork_with_one_more_option(monkeypatch, 4)
-    assert train_gpt.main(["--preset", "smoke", "--log_dir", str(tmp_path / "logs")]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: the option mlp_ratio has no facts: declare its field with ")
-    assert "option(" in err and err.count("\n") == 1
+    args = train_gpt.parse_args(["--preset", "smoke", "--mlp_ratio", "0"])
+    train_gpt.check_hyperparameters(args)
+    assert args.mlp_ratio == 0
+    path = saved_checkpoint(tmp_path / "state.pt", train_gpt.parse_args(["--preset", "smoke"]))
+    resumed, checkpoint = train_gpt.load_checkpoint(["--resume", path, "--mlp_ratio", "8"], path)
+    assert resumed.mlp_ratio == 8 and "--mlp_ratio 4 -> 8" in checkpoint["note"]
+    stamp = train_gpt.compile_cache_stamp(args, 1, torch.device("cpu"))
+    assert "mlp_ratio" not in stamp
 
 
 def other_value(value):

@@ -2,7 +2,9 @@
 run.sh (with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`, on PATH), a rank
 that fails among several, an option error whose rank torchrun ends, a rank killed mid-run, the
 command printed to resume, a console that goes away, and nvidia-smi in the log."""
+import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -14,16 +16,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import BACKGROUND
 from helpers import REPO
 from helpers import TINY_RUN
 from helpers import finished_log
-from helpers import imported_frozen
 from helpers import tiny
 from processes import launch_env
 from processes import run_process
 from processes import started
-from processes import worker_env
 
 import train_gpt
 
@@ -127,7 +126,7 @@ def test_nvidia_smi_runs_once_a_run_with_a_time_limit(tmp_path, monkeypatch):
     loader = SimpleNamespace(files=["shard.bin"])
     for master in (False, True):  # rank 1, then rank 0
         with train_gpt.RunLog(args, master) as log:
-            log.header(args, 2, torch.device("cpu"), loader, loader, 0.5, "")
+            log.header(args, 2, torch.device("cpu"), (loader, loader), 0.5, "")
     assert len(timeouts) == 1 and 0 < timeouts[0] <= 60
     lines = finished_log(tmp_path).read_text().splitlines()
     assert any(line.startswith("nvidia-smi: no table (TimeoutExpired: ") for line in lines)
@@ -209,9 +208,8 @@ def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visib
         # the trainer's own exit code, and its options
         assert lines == [f"the trainer, given: --log_dir {tmp_path / 'logs'}"]
     else:
-        no_gpu = "run.sh: no CUDA GPU visible. For a CPU smoke run (under a minute), see README.md:"
-        assert lines[-2:] == [no_gpu,
-                              "  python train_gpt.py --preset smoke"]
+        no_gpu = "run.sh: no CUDA GPU visible; a CPU smoke run: python train_gpt.py --preset smoke"
+        assert lines[-1:] == [no_gpu]
     assert not (tmp_path / "logs").exists()
 
 
@@ -230,44 +228,38 @@ def test_gpus_this_torch_cannot_use_are_named_with_the_fix(tmp_path, capsys, mon
     assert "Traceback" not in err and not (tmp_path / "logs").exists()
 
 
-def failing_rank_under_run_sh(request):
-    """run.sh on two stand-in GPUs, rank 1 out of memory in train step 1 (tests/fail_worker.py);
-    started at session start, as it takes a while. Gives the log folder and the finished process."""
-    shards = request.getfixturevalue("markov_shards")
-    tmp = request.getfixturevalue("tmp_path_factory").mktemp("failing_rank")
-
-    def run():
-        worker = f"{shlex.quote(str(REPO / 'tests' / 'fail_worker.py'))} 1"
-        env = run_sh_env(tmp / "bin", 2, RUN_SH_SCRIPT=worker,
-                         PYTHONPATH=worker_env()["PYTHONPATH"])
-        options = tiny(shards, tmp / "logs", "--val_loss_every", "0")
-        result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
-        return tmp / "logs", result
-    return BACKGROUND.once("failing_rank_under_run_sh", run)
+def root_cause(stderr):
+    """The first failure in torchrun's report: {field: value} (rank, exitcode, traceback, ...)."""
+    assert "Root Cause (first observed failure):" in stderr, stderr[-3000:]
+    block = stderr.split("Root Cause (first observed failure):")[1].split("=" * 20)[0]
+    return dict(re.findall(r"^\s*(\w+)\s*: (.*?)\s*$", block, re.M))
 
 
 @pytest.mark.slow
 @needs_no_gpu
-@pytest.mark.background.with_args(failing_rank_under_run_sh)
-def test_under_run_sh_a_failing_rank_leaves_its_error_last_on_screen_and_in_rank_zeros_log(request):
-    log_dir, result = failing_rank_under_run_sh(request).result()
+def test_under_run_sh_torchruns_report_names_the_failing_rank_its_line_and_exit_code(
+        markov_shards, tmp_path):
+    """Rank 1 runs out of memory in step 1 (tests/fail_worker.py); rank 0, waiting for it in the
+    step's collective, fails after it, and torchrun ends it: the report's first failure is rank 1,
+    with its exit code and its line."""
+    worker = f"{shlex.quote(str(REPO / 'tests' / 'fail_worker.py'))} 1"
+    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=worker, PYTHONPATH=str(REPO))
+    options = tiny(markov_shards, tmp_path / "logs", "--val_loss_every", "0")
+    result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
     out_of_memory = ("error: out of GPU memory with micro-batches of 128 tokens: "
                      "pass --max_device_batch_size 64 "
                      "(half usually fits; the global batch and the maths stay the same)")
+    first = root_cause(result.stderr)
+    assert first["rank"] == "1 (local_rank: 1)" and first["traceback"] == out_of_memory, first
+    assert first["exitcode"].startswith("1 (pid")
     assert result.returncode == 1
-    assert result.stderr.splitlines()[-1] == out_of_memory, result.stderr[-3000:]
-    # torchrun's own traceback and report are gone; rank 0's traceback (its all-gather lost its
-    # peer) stays
-    assert "ChildFailedError" not in result.stderr and "Root Cause" not in result.stderr
-    assert "torch/distributed/run.py\", line" not in result.stderr
-    # rank 0 printed nothing about it, but its log has the cause
-    assert f"rank 1: {out_of_memory}" in finished_log(log_dir).read_text().splitlines()
+    # rank 0's own error and traceback are kept: printed, and in its log
+    last = finished_log(tmp_path / "logs").read_text().splitlines()[-1]
+    assert re.match(r"RuntimeError: .* by peer", last), last
 
 
 # a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports
-# how it started, in a file of its own (rank.RANK, renamed into place once written). torchrun logs a
-# line before it signals each worker: rank 0 writes its own line once rank 1 has its signal (as
-# the trainer's, written after its step, comes after them), not in a race with torchrun's last
+# how it started, in a file of its own (rank.RANK, renamed into place once written)
 STOPPING_WORKER = """import os, signal, sys, time
 stops = []
 def on_signal(signum, frame):
@@ -275,22 +267,14 @@ def on_signal(signum, frame):
 hangups_ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
 for signum in [signal.SIGTERM] + [signal.SIGHUP] * (not hangups_ignored):
     signal.signal(signum, on_signal)
-folder = os.path.dirname(os.path.abspath(__file__))
-report = os.path.join(folder, "rank." + os.environ["RANK"])
+report = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank." + os.environ["RANK"])
 with open(report + ".tmp", "w") as f:
     timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     print(os.environ["RANK"], hangups_ignored, timeout, file=f)
 os.replace(report + ".tmp", report)
 while not stops:
     time.sleep(0.01)
-rank_1_stopping = os.path.join(folder, "rank.1.stopping")
-if os.environ["RANK"] == "1":
-    open(rank_1_stopping, "w").close()
-else:
-    deadline = time.monotonic() + 60
-    while not os.path.exists(rank_1_stopping) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    print(f"stopped by {signal.Signals(stops[0]).name}", file=sys.stderr)
+print(f"rank {os.environ['RANK']} stopped by {signal.Signals(stops[0]).name}", file=sys.stderr)
 sys.exit(128 + stops[0])
 """
 
@@ -299,143 +283,87 @@ def as_nohup_starts_it():
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
-def stopped_under_nohup(request):
-    """On the background queue: run.sh on two stand-in GPUs as nohup starts it, sent SIGHUP once
-    both workers have started, then SIGTERM. Gives each worker's report and run.sh's end."""
-    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("nohup")
+@needs_no_gpu
+@pytest.mark.slow
+def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_every_rank_on_sigterm(tmp_path):
+    """run.sh on two stand-in GPUs as nohup starts it, sent SIGHUP once both workers have started,
+    then SIGTERM: the hang-up stays ignored, the stop reaches both, with 300 s to finish."""
     worker = tmp_path / "worker.py"
     worker.write_text(STOPPING_WORKER)
     env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(worker)))
     reports = [tmp_path / "rank.0", tmp_path / "rank.1"]
-
-    def run():
-        # a session of its own: the signals reach run.sh alone, and whatever is left is killed at
-        # the end
-        with started(["bash", str(REPO / "run.sh")], env=env, stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE, text=True, preexec_fn=as_nohup_starts_it) as proc:
-            deadline = time.monotonic() + 120
-            while not all(report.exists() for report in reports) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            started_as = [report.read_text().split() for report in reports if report.exists()]
-            proc.send_signal(signal.SIGHUP)
-            time.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=60)
-        return started_as, proc.returncode, err
-    return BACKGROUND.once("stopped_under_nohup", run)
-
-
-@needs_no_gpu
-@pytest.mark.slow
-@pytest.mark.background.with_args(stopped_under_nohup)
-def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(request):
-    started_as, returncode, err = stopped_under_nohup(request).result()
+    with started(["bash", str(REPO / "run.sh")], env=env, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True, preexec_fn=as_nohup_starts_it) as proc:
+        deadline = time.monotonic() + 120
+        while not all(report.exists() for report in reports) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started_as = [report.read_text().split() for report in reports if report.exists()]
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
     # hang-ups stay ignored in the workers; a stop gives them 300 s (torch 2.12 and later read it)
     assert started_as == [["0", "True", "300"], ["1", "True", "300"]], err[-3000:]
-    assert returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert err.splitlines()[-1] == "stopped by SIGTERM" and "Traceback" not in err
-
-
-# rank 0 writes its error line first (then a file beside this script, which rank 1 waits for), then
-# lingers: torchrun, as rank 1 exits first, ends it with SIGTERM
-LINGERING_RANK_ZERO = imported_frozen("train_gpt") + """import os, sys, time
-tell_launcher = train_gpt.tell_launcher
-told = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0.told")
-def tell_then_linger(line, code=1):
-    deadline = time.monotonic() + 60
-    while os.environ["RANK"] == "1" and not os.path.exists(told) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    tell_launcher(line, code)
-    if os.environ["RANK"] == "0":
-        open(told, "w").close()
-        time.sleep(30)
-train_gpt.tell_launcher = tell_then_linger
-sys.exit(train_gpt.main())
-"""
-
-
-def option_error_under_run_sh(request):
-    """On the background queue: run.sh on two stand-in GPUs, its workers LINGERING_RANK_ZERO, with
-    options that 2 processes refuse. Gives the finished process."""
-    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("option_error")
-
-    def run():
-        worker = tmp_path / "worker.py"
-        worker.write_text(LINGERING_RANK_ZERO)
-        env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(worker)),
-                         PYTHONPATH=worker_env()["PYTHONPATH"])
-        # 2 processes x 128 tokens do not divide 128 val tokens: an error once the count is known
-        options = ["--preset", "smoke", "--val_tokens", "128", "--max_device_batch_size", "128",
-                   "--batch_size", "256", "--log_dir", str(tmp_path / "logs")]
-        return run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
-    return BACKGROUND.once("option_error_under_run_sh", run)
+    assert "rank 0 stopped by SIGTERM" in err and "rank 1 stopped by SIGTERM" in err, err[-3000:]
+    assert proc.returncode != 0
 
 
 @pytest.mark.slow
 @needs_no_gpu
-@pytest.mark.background.with_args(option_error_under_run_sh)
-def test_an_option_error_under_run_sh_exits_1_even_when_torchrun_ends_a_rank_with_sigterm(request):
-    result = option_error_under_run_sh(request).result()
+def test_an_option_error_under_run_sh_is_the_first_failure_in_torchruns_report(tmp_path):
+    """Options that 2 processes refuse: each rank's line, the report's first failure among them."""
+    env = run_sh_env(tmp_path / "bin", 2)
+    # 2 processes x 128 tokens do not divide 128 val tokens: an error once the count is known
+    options = ["--preset", "smoke", "--val_tokens", "128", "--max_device_batch_size", "128",
+               "--batch_size", "256", "--log_dir", str(tmp_path / "logs")]
+    result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env, cwd=REPO)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    assert result.stderr.splitlines()[-1] == ("error: --val_tokens 128 must be a multiple of "
-                                              "processes x --max_device_batch_size = 256")
-
-
-STOPPED_ANSWERING = "error: another process of the run stopped answering"
+    first = root_cause(result.stderr)
+    assert first["traceback"] == ("error: --val_tokens 128 must be a multiple of processes x "
+                                  "--max_device_batch_size = 256") and first["exitcode"][0] == "1"
 
 
 def worker_of_rank(parent, rank):
-    """The process id of the torchrun worker of this rank among parent's children."""
-    children = subprocess.run(["ps", "--ppid", str(parent), "-o", "pid="], capture_output=True,
+    """The process id of the torchrun worker of this rank among parent's descendants."""
+    children = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True,
                               text=True).stdout.split()
-    for pid in children:
-        with open(f"/proc/{pid}/environ", "rb") as f:
+    tree = {int(pid): int(ppid) for pid, ppid in zip(children[::2], children[1::2])}
+    for pid in tree:
+        ancestor = tree.get(pid)
+        while ancestor not in (None, 0, 1, parent):
+            ancestor = tree.get(ancestor)
+        if ancestor != parent:
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
             if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                return int(pid)
-    raise AssertionError(f"no worker of rank {rank} among {children}")
-
-
-def rank_killed_under_run_sh(request):
-    """On the background queue: run.sh on two stand-in GPUs (gloo on the CPU), rank 1 killed with
-    SIGKILL (the OOM killer, a lost node) once step 2 is logged. Gives the log folder, the seconds
-    from the kill to the end, and the finished process."""
-    shards = request.getfixturevalue("markov_shards")
-    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("rank_death")
-
-    def run():
-        env = run_sh_env(tmp_path / "bin", 2)
-        options = tiny(shards, tmp_path / "logs", "--num_iterations", "500", "--val_loss_every",
-                       "0", "--allow_data_repeat", "true")
-        # a session of its own: whatever is left is killed at the end
-        with started(["bash", str(REPO / "run.sh"), *options], env=env, cwd=REPO,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-            for line in proc.stdout:
-                if line.startswith("step:2/500 train_loss:"):
-                    break
-            os.kill(worker_of_rank(proc.pid, 1), signal.SIGKILL)
-            killed = time.monotonic()
-            out, err = proc.communicate(timeout=240)
-        return tmp_path / "logs", time.monotonic() - killed, proc.returncode, err
-    return BACKGROUND.once("rank_killed_under_run_sh", run)
+                return pid
+    raise AssertionError(f"no worker of rank {rank} under {parent}")
 
 
 @pytest.mark.slow
 @needs_no_gpu
-@pytest.mark.background.with_args(rank_killed_under_run_sh)
-def test_a_rank_killed_mid_run_leaves_one_line_on_the_survivor_and_names_the_dead_rank(request):
-    """The surviving rank ends with one line saying another process stopped answering, rank 0's
-    log ends with that line (not gloo's message), and run.sh's last line names the dead rank."""
-    log_dir, seconds, returncode, err = rank_killed_under_run_sh(request).result()
-    assert seconds < 120
-    assert returncode == 128 + signal.SIGKILL, err[-3000:]
-    assert "Traceback" not in err and "Connection closed by peer" not in err, err[-3000:]
-    lines = err.strip().splitlines()
-    assert lines[-1] == ("run.sh: rank 1 ended by SIGKILL, without an error line of its own; its "
-                         "output is above")
-    survivor = lines[-2]
-    assert survivor.startswith(f"{STOPPED_ANSWERING} (none left a line: killed, or its node lost")
-    assert finished_log(log_dir).read_text().splitlines()[-1] == survivor
+def test_a_rank_killed_mid_run_is_the_first_failure_and_the_survivor_ends_in_seconds(
+        markov_shards, tmp_path):
+    """run.sh on two stand-in GPUs (gloo on the CPU), rank 1 killed with SIGKILL (the OOM killer,
+    a lost node) once step 2 is logged: torchrun's report names it; rank 0 ends within seconds,
+    its own error's traceback in its log."""
+    env = run_sh_env(tmp_path / "bin", 2)
+    options = tiny(markov_shards, tmp_path / "logs", "--num_iterations", "500",
+                   "--val_loss_every", "0", "--allow_data_repeat", "true")
+    with started(["bash", str(REPO / "run.sh"), *options], env=env, cwd=REPO,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:
+            if line.startswith("step:2/500 train_loss:"):
+                break
+        os.kill(worker_of_rank(proc.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=240)
+    assert time.monotonic() - killed < 120
+    first = root_cause(err)
+    assert first["rank"] == "1 (local_rank: 1)" and "SIGKILL" in first["exitcode"], first
+    assert proc.returncode == 1
+    last = finished_log(tmp_path / "logs").read_text().splitlines()[-1]
+    assert re.match(r"RuntimeError: .* by peer", last), last
 
 
 # a console that goes away -------------------------------------------------------------------------
@@ -468,24 +396,3 @@ def test_once_the_console_has_gone_any_later_print_to_it_goes_nowhere():
         train_gpt.to_console("the first line that finds no reader", console)
         # anyone's print, not only the trainer's: Python's own flush at exit is one
         print("a later line", file=console, flush=True)
-
-
-def test_rank_zero_logs_another_ranks_last_line_while_its_own_main_thread_is_stuck(monkeypatch):
-    """As torchrun's store would carry it; here this test's own store, and a log that is a list."""
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    launched = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-                    TORCHELASTIC_RUN_ID="test")
-    for name, value in launched.items():
-        monkeypatch.setenv(name, value)
-    # a look every 20 ms, not every second
-    monkeypatch.setattr(train_gpt, "PEER_POLL_SECONDS", 0.02)
-    lines = []
-    peers = train_gpt.PeerErrors(lambda line, console: lines.append(line))
-    train_gpt.post_to_rank_zero("rank 3: error: out of GPU memory")
-    # this thread only waits, as rank 0's would in a collective with a dead rank: the watch writes
-    # the line
-    deadline = time.monotonic() + 10
-    while not lines and time.monotonic() < deadline:
-        time.sleep(0.05)
-    peers.close(failed=False)
-    assert lines == ["rank 3: error: out of GPU memory"]

@@ -11,6 +11,7 @@ from helpers import stream_shards
 import train_gpt
 from train_gpt import DistributedDataLoader
 from train_gpt import UserError
+from train_gpt import batches_before_wrap
 from train_gpt import load_data_shard
 from train_gpt import write_data_shard
 
@@ -49,16 +50,16 @@ def test_loader_moves_to_next_shard_and_wraps_around(tmp_path):
     assert loader.next_batch(1000)[0][0].item() == 0
 
 
-def test_going_back_to_the_loaded_shard_reads_no_file(tmp_path, monkeypatch):
+def test_going_back_to_the_loaded_shard_reads_no_file(tmp_path):
     pattern = stream_shards(tmp_path, [2500, 1100])
-    loader = DistributedDataLoader(pattern, 0, 1, CPU)
     reads = []
 
-    def recorded_read(path, *args):
+    def recorded_read(path):
         reads.append(path)
-        return torch.arange(9)
+        return load_data_shard(path)
 
-    monkeypatch.setattr(train_gpt, "load_data_shard", recorded_read)
+    loader = DistributedDataLoader(pattern, 0, 1, CPU, read_shard=recorded_read)
+    reads.clear()
     loader.next_batch(1000)
     # as each evaluation does: back to shard 0, already in memory
     loader.reset()
@@ -79,13 +80,13 @@ def test_loader_gives_exactly_the_batches_the_budget_counts(tmp_path):
     batch = 1024
     steps = 3
     loader = DistributedDataLoader(stream_shards(tmp_path, [steps * batch + 2]), 0, 1, CPU)
-    assert loader.batches_before_wrap(batch) == steps
+    assert batches_before_wrap(loader.files, [steps * batch + 2], batch) == steps
     firsts = [loader.next_batch(batch)[0][0].item() for _ in range(steps + 1)]
     # three batches, then the stream starts over
     assert firsts == [0, 1024, 2048, 0]
     short_pattern = stream_shards(tmp_path / "..", [steps * batch + 1])
     short = DistributedDataLoader(short_pattern, 0, 1, CPU)
-    assert short.batches_before_wrap(batch) == steps - 1
+    assert batches_before_wrap(short.files, [steps * batch + 1], batch) == steps - 1
     assert [short.next_batch(batch)[0][0].item() for _ in range(steps)] == [0, 1024, 0]
 
 

@@ -16,7 +16,6 @@ from helpers import run_main
 from helpers import smoke_marked
 
 import train_gpt
-from train_gpt import DistributedDataLoader
 from train_gpt import UserError
 from train_gpt import load_data_shard
 from train_gpt import markov_stream
@@ -53,11 +52,12 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_shard_and_position(
     tokens[[637, 900]] = 50304, 65535  # the first bad one is reported
     path = tmp_path / "bad_000001.bin"
     write_data_shard(path, tokens)
-    # one argument: loaded unchecked, as before
-    assert load_data_shard(path).tolist() == tokens.tolist()
-    assert load_data_shard(path, 65536).tolist() == tokens.tolist()
+    # loaded unchecked; the vocabulary is checked as the trainer opens each shard
+    loaded = load_data_shard(path)
+    assert loaded.tolist() == tokens.tolist()
+    train_gpt.check_vocabulary(path, loaded, 65536)
     with pytest.raises(UserError) as info:
-        load_data_shard(path, 50304)
+        train_gpt.check_vocabulary(path, loaded, 50304)
     assert str(info.value).startswith(
         f"{path}: token id 50304 at position 637 is not below --vocab_size 50304"
     )
@@ -102,16 +102,25 @@ def test_a_bad_token_id_in_the_first_train_shard_or_any_val_shard_stops_before_s
     assert not (tmp_path / "logs").exists()  # nothing written, nothing trained
 
 
-def test_a_later_train_shard_with_a_bad_token_id_fails_when_the_loader_reaches_it(tmp_path):
-    pattern = tiny_shards(tmp_path, "train", bad_shard=2, bad_at=5)
-    loader = DistributedDataLoader(pattern, 0, 1, torch.device("cpu"), vocab_size=50304)
-    # shard 1 holds 4 batches of 1,000 (+ 2)
-    firsts = [loader.next_batch(1000)[0][0].item() for _ in range(4)]
-    assert firsts == markov_stream(5000, seed=1)[0:4000:1000].tolist()
-    with pytest.raises(
-        UserError, match="t_train_000002.bin: token id 50304 at position 5 is not below"
-    ):
-        loader.next_batch(1000)
+def test_a_later_train_shard_with_a_bad_token_id_fails_when_the_loader_reaches_it(
+    tmp_path, capsys, markov_shards
+):
+    # two batches of 128 in each shard: the second shard opens at step 3 (the run's third step)
+    for k in (1, 2):
+        tokens = markov_stream(300, seed=k)
+        if k == 2:
+            tokens[5] = 50304
+        write_data_shard(tmp_path / f"t_train_{k:06d}.bin", tokens)
+    log_dir = tmp_path / "logs"
+    err = run_main(capsys, *TINY_RUN, "--num_iterations", "3", "--train_files",
+                   str(tmp_path / "t_train_*.bin"), "--val_files", markov_shards[1],
+                   "--log_dir", str(log_dir))
+    assert err.count("\n") == 1
+    assert "t_train_000002.bin: token id 50304 at position 5 is not below" in err
+    log = next(log_dir.glob("*.txt")).read_text()
+    # two steps trained, the third refused, and the log ends with the same line
+    assert "step:2/3 train_loss:" in log and "step:3/3 train_loss:" not in log
+    assert log.rstrip().endswith(err.strip())
 
 
 def test_a_shard_matched_by_both_train_and_val_files_is_refused(tmp_path, capsys, markov_shards):

@@ -7,7 +7,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from helpers import run_main
 
 import train_gpt
@@ -58,5 +57,6 @@ def test_a_train_shard_of_the_val_shards_size_but_other_tokens_is_used(tmp_path,
                                 lambda path: write_data_shard(path, tokens))
     args = train_gpt.parse_args(["--preset", "smoke", "--train_files", pattern,
                                  "--val_files", str(tmp_path / "big_val_*.bin")])
-    train_loader, _, _ = train_gpt.build_loaders(args, 0, 1, torch.device("cpu"), 512)
-    assert len(train_loader.files) == 3 and train_loader.sizes[2] == len(tokens)
+    with train_gpt.Run(args) as run:
+        assert len(run.train_loader.files) == 3
+        assert run.facts[run.train_loader.files[2]][0] == len(tokens)
