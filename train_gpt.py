@@ -834,6 +834,7 @@ import collections
 import filecmp
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import re
 import resource
@@ -850,6 +851,8 @@ import zipfile
 from dataclasses import asdict
 from dataclasses import fields
 from pathlib import Path
+
+from torch.utils._pytree import tree_leaves
 
 # triton has Linux wheels only; without it (macOS, Windows) --fused_head_loss stays off
 try:
@@ -1075,11 +1078,9 @@ def check_hyperparameters(args):
     checks.sort(key=lambda check: callable(check[1][1]))
     for name, (valid, allowed) in checks:
         value = getattr(args, name)
-        if valid(value, args):
-            continue
-        if callable(allowed):
-            allowed = allowed(args)
-        raise UserError(f"--{name} must be {allowed}; got {value!r}")
+        if not valid(value, args):
+            allowed = allowed(args) if callable(allowed) else allowed
+            raise UserError(f"--{name} must be {allowed}; got {value!r}")
 
 def switched_on(option, device):
     """An auto/true/false option: auto means on with CUDA (faster there) and off on a CPU."""
@@ -1109,8 +1110,8 @@ def setup_device():
                 'CUDA_VISIBLE_DEVICES="" runs on the CPU on purpose')
         return rank, world_size, torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.device_count() < local_world:
-        visible = torch.cuda.device_count()
+    visible = torch.cuda.device_count()
+    if visible < local_world:
         raise UserError(f"{local_world} processes on this node but {visible} GPUs visible: use "
                         f"--nproc_per_node={visible} (the global batch stays the same)")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -1121,6 +1122,10 @@ def setup_device():
                         "RTX 30xx or later, H100)")
     torch.cuda.set_device(device)
     return rank, world_size, device
+
+def start_process_group(device):
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
 
 def check_batch_plan(args, world_size):
     """The global batch must divide among the processes, and each share into micro-batches."""
@@ -1138,12 +1143,6 @@ def check_batch_plan(args, world_size):
     if args.val_tokens % val_batch:
         raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x "
                         f"--max_device_batch_size = {val_batch}")
-
-def start_process_group(device):
-    if device.type == "cuda":
-        dist.init_process_group(backend="nccl", device_id=device)
-    else:
-        dist.init_process_group(backend="gloo")
 
 def synchronize(device):
     if device.type == "cuda":
@@ -1228,14 +1227,10 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     return tokens
 
 def fetch_hint(num_iterations, batch_size):
-    """The command that fetches the FineWeb shards a run reads."""
-    # whole batches in a 100M-token shard
-    batches_per_shard = max(1, (100_000_000 - 2) // batch_size)
-    needed = math.ceil(num_iterations / batches_per_shard)
-    # beyond one shard, a spare one: the record's usual advice (9 for the 8 that 1,390 steps read)
-    shards = "1`"
-    if needed > 1:
-        shards = f"{needed + 1}` (this run reads {needed} train shards)"
+    """The command that fetches the FineWeb shards a run reads: those of its whole batches, and
+    beyond one shard a spare, the record's usual advice (9 for the 8 that 1,390 steps read)."""
+    needed = math.ceil(num_iterations / max(1, (100_000_000 - 2) // batch_size))
+    shards = f"{needed + 1}` (this run reads {needed} train shards)" if needed > 1 else "1`"
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
 
 def no_shard_error(pattern, hint):
@@ -1283,35 +1278,30 @@ def prepare_shards(args, split, num_tokens):
     name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
     path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
     make_writable_folder(path.parent, "--log_dir")
-    tmp = temp_path(path)
     try:
         stream = markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed)
-        write_data_shard(tmp, stream)
+        with atomic_write(path) as tmp:
+            write_data_shard(tmp, stream)
     except (OSError, MemoryError) as e:
-        # its temp file goes at the next start (remove_stale_temp_files)
         raise UserError(f"cannot write the synthetic shard {path} of {num_tokens:,} tokens "
                         f"({getattr(e, 'strerror', 'out of memory')}): free some space") from None
-    os.replace(tmp, path)
     return glob.escape(str(path))
 
 def check_data(args, train_files, val_files, sizes, val_batch, hint):
     """No val shard among the train shards (a link or a copy neither), and tokens enough for the
     run (without reading one twice, unless allowed); returns the passes over the train shards."""
-    train_paths = {os.path.realpath(path) for path in train_files}
-    in_both = train_paths & {os.path.realpath(path) for path in val_files}
+    in_both = {os.path.realpath(p) for p in train_files} & {os.path.realpath(p) for p in val_files}
     if in_both:
         raise UserError(f"{min(in_both)} is matched by both --train_files and --val_files: a run "
                         "must never train on its validation data; narrow one of the globs")
     # under another name too (a hard link: one file; a copy: shards of the same size, compared)
-    for val_path in val_files:
-        for train_path in train_files:
-            same = sizes[train_path] == sizes[val_path] and (
+    for val_path, train_path in itertools.product(val_files, train_files):
+        if sizes[train_path] == sizes[val_path] and (
                 os.path.samefile(train_path, val_path)
-                or filecmp.cmp(train_path, val_path, shallow=False))
-            if same:
-                raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
-                                "(a copy or a link): a run must never train on its validation "
-                                "data; take it out of the train shards or narrow --train_files")
+                or filecmp.cmp(train_path, val_path, shallow=False)):
+            raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
+                            "(a copy or a link): a run must never train on its validation data; "
+                            "take it out of the train shards or narrow --train_files")
     train_sizes = [sizes[path] for path in train_files]
     train_batches = batches_before_wrap(train_files, train_sizes, args.batch_size)
     passes = args.num_iterations / train_batches
@@ -1346,12 +1336,9 @@ def to_console(line, stream=None):
 def tell_launcher(line, code=1):
     """Leave this process's last line and exit code in the file torchrun names for it, in torchrun's
     format: its report of a failed run quotes the line of the first process that failed."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
     message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time())), exit_code=code))
-    with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps(dict(message=message)))
+    with contextlib.suppress(OSError, KeyError):
+        Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(dict(message=message)))
 
 def make_writable_folder(folder, option):
     """Make the folder and write in it: an unusable place fails now, naming the option to change."""
@@ -1366,6 +1353,19 @@ def temp_path(path):
     """Where path is written before it is renamed into place: a name of this machine and process, so
     that a later run can tell the temp file of a write cut short from one still being written."""
     return f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+
+@contextlib.contextmanager
+def atomic_write(path):
+    """The temp path to write path's bytes to, renamed into place once written (never half a file);
+    a write that fails leaves no temp file."""
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 def process_is_gone(pid):
     try:
@@ -1432,13 +1432,9 @@ class RunLog(contextlib.AbstractContextManager):
 
     def __call__(self, line, console=True):
         """Log a line; print it (on the stream given as console) unless console is False."""
-        if not self.master:
-            return
-        if console is True:
-            to_console(line)
-        elif console:
-            to_console(line, console)
-        if self.file:
+        if self.master and console:
+            to_console(line, None if console is True else console)
+        if self.master and self.file:
             try:
                 print(line, file=self.file, flush=True)
             except OSError as e:
@@ -1504,8 +1500,7 @@ class TrainClock:
 
     def restart(self):
         self.ms = self.resumed_ms
-        self.t0 = time.perf_counter()
-        self.running = True
+        self.resume()
 
     def pause(self):
         if self.running:
@@ -1526,46 +1521,10 @@ class TrainClock:
         """How many timed steps have run before step `step`."""
         return self.resumed_steps + max(step - self.timed_from, 0)
 
-def step_avg(train_time_ms, timed_steps):
-    return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
-
-class TrainLossLog:
-    """The step lines with each step's train loss, without a sync in the step: the loss is copied to
-    pinned host memory behind an event; a line is written once its event has passed (asked each
-    step) or the host waits."""
-    def __init__(self, log, device, train_steps):
-        self.log = log
-        self.device = device
-        self.train_steps = train_steps
-        self.host_losses = torch.zeros(train_steps, pin_memory=device.type == "cuda")
-        # (step, train time, step_avg, event) of the steps whose lines are not written yet
-        self.pending = []
-
-    def step_done(self, step, loss, clock):
-        """Queue the step's line, with the train time so far (approximate: no device wait)."""
-        train_time_ms = clock.elapsed_ms()
-        average = step_avg(train_time_ms, clock.timed_steps(step + 1))
-        self.host_losses[step].copy_(loss, non_blocking=True)
-        # on the CPU the copy is done already
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self.pending.append((step, train_time_ms, average, event))
-        self.write(wait=False)
-
-    def write(self, wait):
-        """The lines whose losses have arrived, in order; all of them when wait (the host waits)."""
-        while self.pending:
-            step, train_time_ms, average, event = self.pending[0]
-            if event is not None and not (wait or event.query()):
-                return
-            if event is not None:
-                event.synchronize()
-            self.pending.pop(0)
-            loss = self.host_losses[step].item()
-            self.log(f"step:{step + 1}/{self.train_steps} train_loss:{loss:.4f} "
-                     f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
+    def step_avg(self, step, train_time_ms):
+        """Train time over the timed steps before `step`."""
+        timed_steps = self.timed_steps(step)
+        return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
 # --------------------------------------------------------------------------------------------------
 # Compile options (build_model's regional compile) and the compile cache
@@ -1643,20 +1602,17 @@ def load_compile_cache(path, stamp, compiled=True):
     return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
 def save_compile_cache(path, stamp):
-    """Written to a temp file, then renamed into place: never half a cache, and never over a file
-    that is not a cache (start-up refuses one; this catches one put there later)."""
+    """Written whole (atomic_write), and never over a file that is not a cache (start-up refuses
+    one; this catches one put there later)."""
     if os.path.exists(path) and not is_compile_cache(path):
         return f"not saved: {path} is not a compile cache now, so it stays as it is"
-    tmp = temp_path(path)
     artifacts = (torch.compiler.save_cache_artifacts() or [b""])[0]
+    header = f"{stamp} sha256={hashlib.sha256(artifacts).hexdigest()}\n"
     try:
-        header = f"{stamp} sha256={hashlib.sha256(artifacts).hexdigest()}\n"
-        Path(tmp).write_bytes(header.encode() + artifacts)
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            Path(tmp).write_bytes(header.encode() + artifacts)
+    # a full disk, say
     except OSError as e:
-        # a full disk, say: no partial file left behind
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         return f"not saved: {e}"
     return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
@@ -1687,13 +1643,6 @@ LOG_WRITE_FAILED = 256
 SOURCE = Path(__file__).read_bytes()
 SOURCE_SHA256 = hashlib.sha256(SOURCE).hexdigest()
 SCRIPT = os.path.realpath(__file__)
-
-def stop_if_diverged(val_loss, step):
-    # every rank sees the same reduced loss, so all stop here
-    if not math.isfinite(val_loss):
-        raise UserError(f"val loss is {val_loss} at step {step}: training diverged, most likely a "
-                        "learning rate too high for this configuration (--muon_lr, --embed_lr, "
-                        "--head_lr, --scalar_lr)")
 
 class CleanStop(contextlib.AbstractContextManager):
     """A stop signal (SIGTERM, SIGINT, SIGHUP) in train(), or rank 0's log failing, sets a flag.
@@ -1761,9 +1710,8 @@ def train_shards(args, files=None, facts=None):
     start-up (by path), or of those the glob matches now."""
     if args.train_files == "synthetic":
         return []
-    if files is None:
-        files = sorted(glob.glob(args.train_files))
-    counts = [facts[path][0] if facts else shard_facts(path)[0] for path in files]
+    files = sorted(glob.glob(args.train_files)) if files is None else files
+    counts = [(facts[path] if facts else shard_facts(path))[0] for path in files]
     return [f"{os.path.basename(path)}:{n}" for path, n in zip(files, counts)]
 
 def load_checkpoint(argv, path):
@@ -1811,66 +1759,10 @@ def optimizer_states(checkpoint, model, optimizers):
     groups = torch.optim.Optimizer.state_dict(muon)["param_groups"]
     return [checkpoint.pop("adam"), dict(state=state, param_groups=groups)]
 
-def tensor_bytes(state, storages=None):
+def tensor_bytes(state):
     """A nested state's tensor bytes, each storage once: torch.save's size, less a few KiB."""
-    if storages is None:
-        storages = {}
-    if isinstance(state, dict):
-        state = list(state.values())
-    if isinstance(state, torch.Tensor):
-        storage = state.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            tensor_bytes(value, storages)
-    return sum(storages.values())
-
-def write_checkpoint(state, path, log, args):
-    """Rank 0's write: a temp file renamed into place (never half a checkpoint); the last two this
-    run wrote are kept. A write that fails (a full disk) is a warning, its partial file gone, the
-    last checkpoint kept, training going on: None then, else the path."""
-    started = time.perf_counter()
-    tmp = temp_path(path)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # through a file object: the archive's inner folder is then "archive", whatever the temp
-        # name, and a failed write's OSError is kept (as the context of torch's RuntimeError)
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        # torch.save turns a failed write into a RuntimeError: the OSError behind it, if any
-        error = e
-        while error is not None and not isinstance(error, OSError):
-            error = error.__cause__ or error.__context__
-        if error is None:
-            raise
-        step = state["step"]
-        log.unsaved_step = step
-        needed = tensor_bytes(state) / 2 ** 20
-        free = "? MiB are"
-        with contextlib.suppress(OSError):
-            free = f"{shutil.disk_usage(args.log_dir).free / 2 ** 20:.1f} MiB are"
-        kept = "there is no earlier one"
-        if log.checkpoints:
-            kept = f"the last one, {log.checkpoints[-1][1]}, stays"
-        reason = error.strerror or str(error)
-        log(f"warning: the checkpoint of step {step} could not be written ({reason}: it needs "
-            f"{needed:.1f} MiB, {free} free in {args.log_dir}); {kept}", console=sys.stderr)
-        if args.save_checkpoint and step == args.num_iterations:
-            log.failure = f"the final checkpoint could not be written ({reason})"
-        return None
-    log.checkpoints.append((state["step"], path))
-    # the last two this run wrote are kept: the older ones of its own, and no other file, go
-    while len(log.checkpoints) > 2:
-        _, old = log.checkpoints.pop(0)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(old)
-    seconds = time.perf_counter() - started
-    log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
-    return path
+    storages = [t.untyped_storage() for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
+    return sum({storage.data_ptr(): storage.nbytes() for storage in storages}.values())
 
 def load_hellaswag(args):
     """With --hellaswag, evals/hellaswag.py's scorer, the examples read and tokenised now: evals/
@@ -1904,7 +1796,7 @@ class Run(contextlib.AbstractContextManager):
         # each shard's facts at start-up, by path; the CPU group on which the ranks agree
         self.facts = {}
         self.group = None
-        # the step under way (due() sets it), once the state to checkpoint is known (resume())
+        # the step under way (due() sets it); the last checkpoint's step and rank 0's path of it
         self.step = None
         self.saved_step = None
         self.saved = None
@@ -1952,8 +1844,7 @@ class Run(contextlib.AbstractContextManager):
         files = sorted(glob.glob(pattern))
         if not files:
             raise no_shard_error(pattern, hint)
-        for path in files:
-            self.facts[path] = shard_facts(path)
+        self.facts.update((path, shard_facts(path)) for path in files)
         loader = DistributedDataLoader(pattern, self.rank, self.world_size, self.device,
                                        read_shard=self.read_shard)
         # the first is loaded and checked already; val shards are few
@@ -1982,8 +1873,8 @@ class Run(contextlib.AbstractContextManager):
             if self.saved_step != self.step:
                 self.save_checkpoint(self.step)
             if self.saved or not self.master:
-                path = self.checkpoint_path(self.step)
-                failure = f"{failure}, then: {resume_command(path, self.world_size)}"
+                resume = resume_command(self.checkpoint_path(self.step), self.world_size)
+                failure = f"{failure}, then: {resume}"
         if failure:
             raise UserError(failure)
         return tokens
@@ -2002,8 +1893,8 @@ class Run(contextlib.AbstractContextManager):
         checkpoint = self.checkpoint
         if checkpoint is not None:
             model.load_state_dict(checkpoint.pop("model"))
-            for optimizer, state in zip(optimizers,
-                                        optimizer_states(checkpoint, model, optimizers)):
+            states = optimizer_states(checkpoint, model, optimizers)
+            for optimizer, state in zip(optimizers, states):
                 # the checkpoint's state, this run's settings (its learning rates, ...)
                 settings = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]
                 optimizer.load_state_dict(dict(state, param_groups=settings))
@@ -2015,7 +1906,10 @@ class Run(contextlib.AbstractContextManager):
             self.start = checkpoint["step"]
             timing = checkpoint["timing"]
         self.clock = TrainClock(self.device, self.start, *timing)
-        self.train_losses = TrainLossLog(self.log, self.device, self.args.num_iterations)
+        # the train losses, copied to the host behind an event (step, train time, step_avg, event)
+        pinned = self.device.type == "cuda"
+        self.host_losses = torch.zeros(self.args.num_iterations, pin_memory=pinned)
+        self.pending = []
         return self.start
 
     def due(self, step):
@@ -2032,23 +1926,25 @@ class Run(contextlib.AbstractContextManager):
         final = args.save_checkpoint and (self.stopping or last_step)
         scheduled = args.checkpoint_every > 0 and step % args.checkpoint_every == 0
         periodic = args.checkpoint_every > 0 and (self.stopping or scheduled)
-        checkpoint = step > self.start and (final or periodic)
-        scheduled_validation = args.val_loss_every > 0 and step % args.val_loss_every == 0
-        validation = not self.stopping and (last_step or scheduled_validation)
-        return Due(checkpoint, validation, end=last_step or self.stopping)
+        validation = args.val_loss_every > 0 and step % args.val_loss_every == 0
+        return Due(checkpoint=step > self.start and (final or periodic),
+                   validation=not self.stopping and (last_step or validation),
+                   end=last_step or self.stopping)
 
     def checkpoint_path(self, step):
         return os.path.join(self.args.log_dir, self.log.run_id, f"state_step{step:06d}.pt")
 
     def save_checkpoint(self, step):
-        """Every rank takes part (the optimisers' state_dict may gather from each); rank 0 writes
-        (write_checkpoint). Outside train time."""
-        self.train_losses.write(wait=True)
+        """Every rank takes part (an optimiser's state_dict may gather from each); rank 0 writes it
+        whole (atomic_write), outside train time, and keeps the last two this run wrote. A write
+        that fails (a full disk) is a warning: the last checkpoint stays, training goes on."""
+        self.write_train_losses(wait=True)
         self.clock.pause()
         optimizer_states = [optimizer.state_dict() for optimizer in self.optimizers]
         self.saved_step = step
         if not self.master:
             return
+        started = time.perf_counter()
         # before the first timed step, no time has been counted
         timed_steps = self.clock.timed_steps(step)
         timing = (self.clock.ms if timed_steps else 0.0, timed_steps)
@@ -2057,37 +1953,107 @@ class Run(contextlib.AbstractContextManager):
                      loader=(loader.shard, loader.pos), timing=timing, args=asdict(self.args),
                      source=SOURCE, source_sha256=SOURCE_SHA256, script=SCRIPT,
                      train_shards=train_shards(self.args, loader.files, self.facts))
-        self.saved = write_checkpoint(state, self.checkpoint_path(step), self.log, self.args)
+        path = self.checkpoint_path(step)
+        self.saved = None
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # through a file object: a failed write's OSError is kept (in torch's RuntimeError)
+            with atomic_write(path) as tmp, open(tmp, "wb") as f:
+                torch.save(state, f)
+        except (OSError, RuntimeError) as e:
+            self.unsaved(step, state, e)
+            return
+        self.saved = path
+        log = self.log
+        log.checkpoints.append((step, path))
+        # the last two this run wrote are kept: the older ones of its own, and no other file, go
+        while len(log.checkpoints) > 2:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(log.checkpoints.pop(0)[1])
+        seconds = time.perf_counter() - started
+        log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
+
+    def unsaved(self, step, state, error):
+        """The warning for a checkpoint that could not be written, with the space it needs; the
+        final one's is the run's failure. An error that is not the disk's is raised again."""
+        cause = error
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise error
+        log = self.log
+        log.unsaved_step = step
+        free = "? MiB are"
+        with contextlib.suppress(OSError):
+            free = f"{shutil.disk_usage(self.args.log_dir).free / 2 ** 20:.1f} MiB are"
+        kept = "there is no earlier one"
+        if log.checkpoints:
+            kept = f"the last one, {log.checkpoints[-1][1]}, stays"
+        reason = cause.strerror or str(cause)
+        log(f"warning: the checkpoint of step {step} could not be written ({reason}: it needs "
+            f"{tensor_bytes(state) / 2 ** 20:.1f} MiB, {free} free in {self.args.log_dir}); "
+            f"{kept}", console=sys.stderr)
+        if self.args.save_checkpoint and step == self.args.num_iterations:
+            log.failure = f"the final checkpoint could not be written ({reason})"
 
     def log_val_loss(self, step, val_loss):
-        self.train_losses.write(wait=True)
-        average = step_avg(self.clock.ms, self.clock.timed_steps(step))
+        self.write_train_losses(wait=True)
         self.log(f"step:{step}/{self.args.num_iterations} val_loss:{val_loss:.4f} "
-                 f"train_time:{self.clock.ms:.0f}ms step_avg:{average:.2f}ms")
-        stop_if_diverged(val_loss, step)
+                 f"train_time:{self.clock.ms:.0f}ms "
+                 f"step_avg:{self.clock.step_avg(step, self.clock.ms):.2f}ms")
+        # every rank sees the same reduced loss, so all stop here
+        if not math.isfinite(val_loss):
+            raise UserError(f"val loss is {val_loss} at step {step}: training diverged, most "
+                            "likely a learning rate too high for this configuration (--muon_lr, "
+                            "--embed_lr, --head_lr, --scalar_lr)")
 
     def log_train_loss(self, step, loss):
-        self.train_losses.step_done(step, loss, self.clock)
+        """The step's line, written once its loss has reached the host: no wait for the device
+        in the step (its train time is approximate too)."""
+        train_time_ms = self.clock.elapsed_ms()
+        average = self.clock.step_avg(step + 1, train_time_ms)
+        self.host_losses[step].copy_(loss, non_blocking=True)
+        # on the CPU the copy is done already
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((step, train_time_ms, average, event))
+        self.write_train_losses(wait=False)
         # all has compiled now: evaluation at step 0, the model and the optimisers in step 1
         if step == self.start:
             synchronize(self.device)
-            self.train_losses.write(wait=True)
+            self.write_train_losses(wait=True)
             self.log(startup_report(self.args, self.compiled, self.stamp, self.master, step + 1))
+
+    def write_train_losses(self, wait):
+        """The step lines whose losses have arrived, in order; all of them when wait (the host
+        waits)."""
+        while self.pending:
+            step, train_time_ms, average, event = self.pending[0]
+            if event is not None and not (wait or event.query()):
+                return
+            if event is not None:
+                event.synchronize()
+            self.pending.pop(0)
+            self.log(f"step:{step + 1}/{self.args.num_iterations} "
+                     f"train_loss:{self.host_losses[step].item():.4f} "
+                     f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
 
     def finish(self, model):
         """The peak memory line; then, with --hellaswag, its scores (a stop signal may end them)."""
-        self.train_losses.write(wait=True)
+        self.write_train_losses(wait=True)
         self.log(f"peak memory consumption: {peak_memory_mib(self.device)} MiB")
         if self.hellaswag and not self.stopping:
-            self.stopping, self.stop_signal = self.hellaswag.score(model, self.args, self.log,
-                                                                   self.stop)
+            scores = self.hellaswag.score(model, self.args, self.log, self.stop)
+            self.stopping, self.stop_signal = scores
 
     def log_stop(self):
         """The last line of the log and of stderr: which signal stopped the run, or the log's
         failure, and how to go on (from an earlier checkpoint where the stop's own failed)."""
+        log = self.log
         if not self.master:
             return
-        log = self.log
         if self.saved:
             how = f"resume with: {resume_command(self.saved, self.world_size)}"
         elif log.unsaved_step == self.step and log.checkpoints:
@@ -2102,8 +2068,8 @@ class Run(contextlib.AbstractContextManager):
         if log.failure:
             line = f"error: {log.failure}: stopped after step {self.step}; {how}"
         else:
-            signal_name = signal.Signals(self.stop_signal).name
-            line = f"stopped by {signal_name} after step {self.step}; {how}"
+            stopped_by = signal.Signals(self.stop_signal).name
+            line = f"stopped by {stopped_by} after step {self.step}; {how}"
         log(line, console=sys.stderr)
         tell_launcher(line, self.exit_code)
 
@@ -2112,9 +2078,7 @@ class Run(contextlib.AbstractContextManager):
         """1 when the log failed; after a stop signal, 128 + its number (as if it ended the run)."""
         if self.log.failure or self.stop_signal == LOG_WRITE_FAILED:
             return 1
-        if self.stopping:
-            return 128 + self.stop_signal
-        return 0
+        return 128 + self.stop_signal if self.stopping else 0
 
 # --------------------------------------------------------------------------------------------------
 # Arguments and main
