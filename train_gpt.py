@@ -307,29 +307,23 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_copy_(stacked[:len(mine)].unbind(), wide)
 
     def state_dict(self):
-        """torch's format, with every matrix's momentum, each sent by the rank that keeps it (zero
-        before the first step): a collective, so every rank calls it; loadable on any count."""
-        momenta = {}
-        for group in self.param_groups:
-            for i, p in enumerate(group["params"]):
-                momenta[p] = self.state[p].get("momentum_buffer")
-                if momenta[p] is None:
-                    momenta[p] = torch.zeros_like(p)
-                if self.world_size > 1:
-                    dist.broadcast(momenta[p], src=i % self.world_size)
+        """torch's format, with every matrix's momentum, sent by the rank that keeps it (zero before
+        the first step): a collective, which every rank calls. It loads on any process count."""
         state = super().state_dict()
-        params = [p for group in self.param_groups for p in group["params"]]
-        state["state"] = {i: dict(momentum_buffer=momenta[p]) for i, p in enumerate(params)}
+        params = [(i, p) for group in self.param_groups for i, p in enumerate(group["params"])]
+        for index, (i, p) in enumerate(params):
+            momentum = self.state[p].get("momentum_buffer")
+            if momentum is None:
+                momentum = torch.zeros_like(p)
+            if self.world_size > 1:
+                dist.broadcast(momentum, src=i % self.world_size)
+            state["state"][index] = dict(momentum_buffer=momentum)
         return state
 
     def load_state_dict(self, state_dict):
         """A state_dict() of any process count: this rank keeps the momenta of its own matrices."""
-        owned = set()
-        first = 0
-        for group in self.param_groups:
-            owned.update(range(first + self.rank, first + len(group["params"]), self.world_size))
-            first += len(group["params"])
-        state = {i: s for i, s in state_dict["state"].items() if i in owned}
+        owners = [i % self.world_size for g in self.param_groups for i in range(len(g["params"]))]
+        state = {i: s for i, s in state_dict["state"].items() if owners[i] == self.rank}
         super().load_state_dict(dict(state_dict, state=state))
 
 # --------------------------------------------------------------------------------------------------
@@ -610,21 +604,16 @@ def build_block_mask(inputs, window_blocks):
     q_lists = [partial_count.flip(-1), num_blocks - 1 - partial.flip(-2), full_count.flip(-1),
                num_blocks - 1 - full.flip(-2)]
 
+    # compiled, FlexAttention applies it in partial blocks only: record 18's document-causal test,
+    # the window in the block lists; uncompiled, it ignores the lists: the whole mask, window too
+    window = None if torch.compiler.is_compiling() else window_blocks
+
     def document_causal(b, h, q_idx, kv_idx):
-        """Record 18's per-token test: compiled, FlexAttention applies it in partial blocks only,
-        and the window lies in the block lists."""
-        return may_attend(q_idx, kv_idx, docs)
+        return may_attend(q_idx, kv_idx, docs, window)
 
-    def document_causal_window(b, h, q_idx, kv_idx):
-        """The whole mask token by token, for uncompiled flex_attention, which ignores the lists."""
-        return may_attend(q_idx, kv_idx, docs, window_blocks)
-
-    mask_mod = document_causal_window
-    if torch.compiler.is_compiling():
-        mask_mod = document_causal
     seq_lengths = (len(inputs), len(inputs))
     return BlockMask(seq_lengths, *kv_lists, *q_lists, BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE),
-                     mask_mod=mask_mod)
+                     mask_mod=document_causal)
 
 # --------------------------------------------------------------------------------------------------
 # Data: token shards, and the loader that every rank walks in step
@@ -742,7 +731,7 @@ def build_model(args, run):
     torch.manual_seed(args.seed)
     model = GPT.from_args(args, run.device).to(run.device)
     # the fused head only where it computes what GPT.head_loss does (a fork may change that)
-    run.check_fused_head(model)
+    check_fused_head(model, args.fused_head_loss, run.log)
     optimizers = build_optimizers(model, args, compiled=run.compiled)
     train_model = model
     if run.compiled and args.compile_tuning:
@@ -1066,17 +1055,15 @@ def check_launch_environment():
                         "launch with ./run.sh or torchrun, which set them", every_rank=True)
 
 def option_facts():
-    """Each option's facts, from option(): {name: dict(rules=, fixed=, graph=)}; a plain field's
-    (no option()): no rules, not fixed, no part in the compile stamp."""
+    """{name: dict(rules=, fixed=, graph=)} from option(); a plain field has none of them."""
     plain = dict(rules=(), fixed=False, graph=False)
     return {f.name: dict(plain, **f.metadata) for f in fields(Hyperparameters)}
 
 def check_hyperparameters(args):
-    """Refuse any value that cannot work, naming the option and its valid range: each field's rules
-    in field order, then those that read other options (words that are a function of them)."""
+    """Refuse a value that cannot work, naming the option and its valid values: the rules in field
+    order, then those whose words read other options."""
     checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
-    checks.sort(key=lambda check: callable(check[1][1]))
-    for name, (valid, allowed) in checks:
+    for name, (valid, allowed) in sorted(checks, key=lambda check: callable(check[1][1])):
         value = getattr(args, name)
         if not valid(value, args):
             allowed = allowed(args) if callable(allowed) else allowed
@@ -1091,8 +1078,7 @@ def nvidia_smi_gpus():
     query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         answer = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
-        rows = [line.rpartition(", ") for line in answer.stdout.splitlines() if line.strip()]
-        return [(name, driver) for name, _, driver in rows]
+        return [line.rpartition(", ")[::2] for line in answer.stdout.splitlines() if line.strip()]
     return []
 
 def setup_device():
@@ -1124,8 +1110,10 @@ def setup_device():
     return rank, world_size, device
 
 def start_process_group(device):
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    if device.type == "cuda":
+        dist.init_process_group(backend="nccl", device_id=device)
+    else:
+        dist.init_process_group(backend="gloo")
 
 def check_batch_plan(args, world_size):
     """The global batch must divide among the processes, and each share into micro-batches."""
@@ -1226,22 +1214,43 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
         filled += len(document)
     return tokens
 
+def prepare_shards(args, split, num_tokens):
+    """The glob of a split's shards; for "synthetic", the seeded stream, written by each rank."""
+    pattern = getattr(args, f"{split}_files")
+    if pattern != "synthetic":
+        return pattern
+    name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
+    path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
+    make_writable_folder(path.parent, "--log_dir")
+    try:
+        stream = markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed)
+        with atomic_write(path) as tmp:
+            write_data_shard(tmp, stream)
+    except (OSError, MemoryError) as e:
+        raise UserError(f"cannot write the synthetic shard {path} of {num_tokens:,} tokens "
+                        f"({getattr(e, 'strerror', 'out of memory')}): free some space") from None
+    return glob.escape(str(path))
+
 def fetch_hint(num_iterations, batch_size):
-    """The command that fetches the FineWeb shards a run reads: those of its whole batches, and
-    beyond one shard a spare, the record's usual advice (9 for the 8 that 1,390 steps read)."""
+    """The command that fetches the train shards a run reads, and a spare beyond one (the record's
+    usual advice: 9 for the 8 that 1,390 steps read)."""
     needed = math.ceil(num_iterations / max(1, (100_000_000 - 2) // batch_size))
     shards = f"{needed + 1}` (this run reads {needed} train shards)" if needed > 1 else "1`"
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
 
-def no_shard_error(pattern, hint):
-    """No shard matches: a [ or ? in the glob (a folder `run[1]`: [1] matches "1") is named."""
+def shard_files(pattern, hint):
+    """The shards a glob matches, in order; none is one line (a [ or ? in it is named: a folder
+    `run[1]` is matched by the class [1], "1")."""
+    files = sorted(glob.glob(pattern))
+    if files:
+        return files
     escaped = re.sub(r"([\[?])", r"[\1]", pattern)
     advice = f"{hint}, or point --train_files/--val_files at your shards"
     if escaped != pattern:
         advice = f"[ and ? are glob characters: {escaped!r} matches them as such; else {advice}"
     if glob.glob(escaped):
         advice = f"[ and ? are glob characters: {escaped!r} matches them as such"
-    return UserError(f"no data shard matches {pattern!r}: {advice}")
+    raise UserError(f"no data shard matches {pattern!r}: {advice}")
 
 def shard_facts(path, expected=None):
     """A shard's tokens (header checked), size, change time and inode; one line for a file that is
@@ -1269,23 +1278,6 @@ def batches_before_wrap(files, sizes, batch_size):
                             "(the last target and the loader's margin): use other shards or a "
                             "smaller batch")
     return sum((n - 2) // batch_size for n in sizes)
-
-def prepare_shards(args, split, num_tokens):
-    """The glob of a split's shards; for "synthetic", the seeded stream, written by each rank."""
-    pattern = getattr(args, f"{split}_files")
-    if pattern != "synthetic":
-        return pattern
-    name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
-    path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
-    make_writable_folder(path.parent, "--log_dir")
-    try:
-        stream = markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed)
-        with atomic_write(path) as tmp:
-            write_data_shard(tmp, stream)
-    except (OSError, MemoryError) as e:
-        raise UserError(f"cannot write the synthetic shard {path} of {num_tokens:,} tokens "
-                        f"({getattr(e, 'strerror', 'out of memory')}): free some space") from None
-    return glob.escape(str(path))
 
 def check_data(args, train_files, val_files, sizes, val_batch, hint):
     """No val shard among the train shards (a link or a copy neither), and tokens enough for the
@@ -1334,8 +1326,8 @@ def to_console(line, stream=None):
             os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 def tell_launcher(line, code=1):
-    """Leave this process's last line and exit code in the file torchrun names for it, in torchrun's
-    format: its report of a failed run quotes the line of the first process that failed."""
+    """This process's last line and exit code, in the file torchrun gives it: torchrun's report of
+    a failed run quotes the line of the first process that failed."""
     message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time())), exit_code=code))
     with contextlib.suppress(OSError, KeyError):
         Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(dict(message=message)))
@@ -1356,8 +1348,8 @@ def temp_path(path):
 
 @contextlib.contextmanager
 def atomic_write(path):
-    """The temp path to write path's bytes to, renamed into place once written (never half a file);
-    a write that fails leaves no temp file."""
+    """The temp path to write path's bytes to, renamed into place once written: never half a file,
+    and a write that fails leaves none."""
     tmp = temp_path(path)
     try:
         yield tmp
@@ -1367,19 +1359,9 @@ def atomic_write(path):
             os.remove(tmp)
         raise
 
-def process_is_gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # alive but another user's (PermissionError), or no process id at all
-    except (OSError, OverflowError):
-        return False
-    return False
-
 def remove_stale_temp_files(args):
-    """Remove and return the temp files (temp_path's) of this trainer's writes cut short here whose
-    process is gone: run folders' checkpoints, synthetic shards, --compile_cache; nothing else."""
+    """Remove and return the temp files of this trainer's writes cut short here whose process is
+    gone (no other file): run folders' checkpoints, synthetic shards, --compile_cache."""
     owner = rf"\.{re.escape(socket.gethostname())}\.(\d+)\.tmp"
     log_dir = re.escape(os.path.join(args.log_dir, ""))
     sep = re.escape(os.sep)
@@ -1392,19 +1374,20 @@ def remove_stale_temp_files(args):
         candidates += glob.glob(f"{glob.escape(args.compile_cache)}.*.tmp")
     removed = []
     for path in candidates:
-        matches = [re.fullmatch(name, path) for name in own_names]
-        owner_pid = next((int(match[1]) for match in matches if match), None)
-        if owner_pid is not None and process_is_gone(owner_pid):
-            with contextlib.suppress(OSError):
+        owners = [int(m[1]) for m in (re.fullmatch(name, path) for name in own_names) if m]
+        # alive, or another user's (PermissionError): kept
+        with contextlib.suppress(OSError, OverflowError, IndexError):
+            try:
+                os.kill(owners[0], 0)
+            except ProcessLookupError:
                 os.remove(path)
                 removed.append(path)
     return removed
 
 class RunLog(contextlib.AbstractContextManager):
-    """Rank 0 writes the log (the other ranks' calls do nothing), its header naming the temp files
-    of earlier writes cut short that it removed. A line that cannot be written (a full disk) closes
-    the file and sets `failure`: the ranks then stop as on a signal (CleanStop), and the line saying
-    so goes to stderr."""
+    """Rank 0 writes the log (the other ranks' calls do nothing). A line that cannot be written (a
+    full disk) closes the file and sets `failure`: the ranks then stop as on a signal (CleanStop),
+    and the line saying so goes to stderr."""
     def __init__(self, args, master, hellaswag=None):
         self.file = None
         self.run_id = str(uuid.uuid4())
@@ -1522,7 +1505,6 @@ class TrainClock:
         return self.resumed_steps + max(step - self.timed_from, 0)
 
     def step_avg(self, step, train_time_ms):
-        """Train time over the timed steps before `step`."""
         timed_steps = self.timed_steps(step)
         return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
 
@@ -1551,19 +1533,18 @@ def compile_cache_stamp(args, world_size, device):
     """What compiled code depends on (a cache with another stamp is not used): the versions, the
     device, the process count (DDP splits the graph at its buckets on 2 or more; Muon stacks each
     process's share), the micro-batch, and the options that shape graphs (option()), in order."""
-    installed = importlib.metadata.distributions(name="triton")
-    triton_version = next((d.version for d in installed), None)
+    triton_version = next((d.version for d in importlib.metadata.distributions(name="triton")),
+                          None)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     processes = "1 process" if world_size == 1 else f"{world_size} processes"
-    micro_batch, _, _ = micro_batch_plan(args, world_size)
     graph_options = [name for name, facts in option_facts().items() if facts["graph"]]
     options = ", ".join(f"--{name} {getattr(args, name)}" for name in graph_options)
     return (f"{COMPILE_CACHE_HEADER}torch {torch.__version__}, triton {triton_version}, {gpu}, "
-            f"{processes}, micro-batch {micro_batch}, {options}")
+            f"{processes}, micro-batch {micro_batch_plan(args, world_size)[0]}, {options}")
 
 def is_compile_cache(path):
-    """Whether the file begins as this trainer's compile caches do (whatever their stamp): only such
-    a file is ever replaced by a cache. Not a regular file (a device, a pipe): never one."""
+    """Whether a regular file begins as this trainer's compile caches do (whatever their stamp):
+    only such a file is ever replaced by a cache."""
     if not os.path.isfile(path):
         return False
     # an unreadable file: no first line
@@ -1622,11 +1603,10 @@ def startup_report(args, compiled, stamp, master, step):
     if compiled:
         # compile time and the caches' own hit counts, from torch._dynamo
         time_spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)()
-        spent = time_spent.get("total_wall_time", math.nan)
         fx = torch._dynamo.utils.counters["inductor"]
         aot = torch._dynamo.utils.counters["aot_autograd"]
-        line += (f", {spent:.1f}s of it compiling (cache hits/misses: FX graph "
-                 f"{fx['fxgraph_cache_hit']}/{fx['fxgraph_cache_miss']}, "
+        line += (f", {time_spent.get('total_wall_time', math.nan):.1f}s of it compiling (cache "
+                 f"hits/misses: FX graph {fx['fxgraph_cache_hit']}/{fx['fxgraph_cache_miss']}, "
                  f"AOT {aot['autograd_cache_hit']}/{aot['autograd_cache_miss']})")
         if master and args.compile_cache:
             line += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
@@ -1784,9 +1764,9 @@ Due = collections.namedtuple("Due", "checkpoint validation end")
 
 class Run(contextlib.AbstractContextManager):
     """What keeps a run safe, for train(). Entered: the checks and set-up before step 1 (device,
-    --hellaswag's data, the batch, the shards and their budget, the compile cache, the process
-    group, the log, stop signals); then what each step does before training (due), the log's
-    lines and clock, checkpoints (after a data fault too), and at its end the last line."""
+    batch, data, compile cache, process group, log, stop signals); then what each step does
+    before training (due), the log's lines and clock, checkpoints (after a data fault too), and
+    the last line."""
     def __init__(self, args, checkpoint=None):
         self.args = args
         self.checkpoint = checkpoint
@@ -1811,9 +1791,9 @@ class Run(contextlib.AbstractContextManager):
         hint = fetch_hint(args.num_iterations, args.batch_size)
         self.train_loader = self.loader("train", args.num_iterations * args.batch_size + 2, hint)
         self.val_loader = self.loader("val", args.val_tokens + 2, hint)
+        loaders = (self.train_loader, self.val_loader)
         sizes = {path: facts[0] for path, facts in self.facts.items()}
-        passes = check_data(args, self.train_loader.files, self.val_loader.files, sizes,
-                            val_batch, hint)
+        passes = check_data(args, *(loader.files for loader in loaders), sizes, val_batch, hint)
         self.stamp = compile_cache_stamp(args, self.world_size, self.device)
         cache_note = load_compile_cache(args.compile_cache, self.stamp, self.compiled)
         if self.world_size > 1:
@@ -1823,7 +1803,6 @@ class Run(contextlib.AbstractContextManager):
             stack.enter_context(out_of_memory_as_error(micro_batch))
             self.stop = stack.enter_context(CleanStop(self.world_size, self.log))
             self.group = self.stop.group
-            loaders = (self.train_loader, self.val_loader)
             self.log.header(args, self.world_size, self.device, loaders, passes, cache_note)
             self.exits = stack.pop_all()
         return self
@@ -1841,9 +1820,7 @@ class Run(contextlib.AbstractContextManager):
         """A split's loader, every shard's header checked now (a bad shard fails at start-up, not
         hours in), each one it opens checked again (read_shard); the val shards all loaded now."""
         pattern = prepare_shards(self.args, split, num_tokens)
-        files = sorted(glob.glob(pattern))
-        if not files:
-            raise no_shard_error(pattern, hint)
+        files = shard_files(pattern, hint)
         self.facts.update((path, shard_facts(path)) for path in files)
         loader = DistributedDataLoader(pattern, self.rank, self.world_size, self.device,
                                        read_shard=self.read_shard)
@@ -1879,9 +1856,6 @@ class Run(contextlib.AbstractContextManager):
             raise UserError(failure)
         return tokens
 
-    def check_fused_head(self, model):
-        check_fused_head(model, self.args.fused_head_loss, self.log)
-
     def resume(self, model, optimizers):
         """What checkpoints hold from now on: the model, its optimisers, the train loader's place.
         Resuming, this rank's part of the checkpoint is loaded (each part popped: freed). Returns
@@ -1906,7 +1880,7 @@ class Run(contextlib.AbstractContextManager):
             self.start = checkpoint["step"]
             timing = checkpoint["timing"]
         self.clock = TrainClock(self.device, self.start, *timing)
-        # the train losses, copied to the host behind an event (step, train time, step_avg, event)
+        # each step's train loss, copied to the host behind an event; (step, time, event) pending
         pinned = self.device.type == "cuda"
         self.host_losses = torch.zeros(self.args.num_iterations, pin_memory=pinned)
         self.pending = []
@@ -1961,8 +1935,7 @@ class Run(contextlib.AbstractContextManager):
             with atomic_write(path) as tmp, open(tmp, "wb") as f:
                 torch.save(state, f)
         except (OSError, RuntimeError) as e:
-            self.unsaved(step, state, e)
-            return
+            return self.unsaved(step, state, e)
         self.saved = path
         log = self.log
         log.checkpoints.append((step, path))
@@ -2008,17 +1981,16 @@ class Run(contextlib.AbstractContextManager):
                             "--embed_lr, --head_lr, --scalar_lr)")
 
     def log_train_loss(self, step, loss):
-        """The step's line, written once its loss has reached the host: no wait for the device
-        in the step (its train time is approximate too)."""
+        """The step's line, written once its loss has reached the host: no wait for the device in
+        the step (its train time is approximate too)."""
         train_time_ms = self.clock.elapsed_ms()
-        average = self.clock.step_avg(step + 1, train_time_ms)
         self.host_losses[step].copy_(loss, non_blocking=True)
         # on the CPU the copy is done already
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self.pending.append((step, train_time_ms, average, event))
+        self.pending.append((step, train_time_ms, event))
         self.write_train_losses(wait=False)
         # all has compiled now: evaluation at step 0, the model and the optimisers in step 1
         if step == self.start:
@@ -2027,15 +1999,15 @@ class Run(contextlib.AbstractContextManager):
             self.log(startup_report(self.args, self.compiled, self.stamp, self.master, step + 1))
 
     def write_train_losses(self, wait):
-        """The step lines whose losses have arrived, in order; all of them when wait (the host
-        waits)."""
+        """The step lines whose losses have arrived, in order; all, when wait (the host waits)."""
         while self.pending:
-            step, train_time_ms, average, event = self.pending[0]
+            step, train_time_ms, event = self.pending[0]
             if event is not None and not (wait or event.query()):
                 return
             if event is not None:
                 event.synchronize()
             self.pending.pop(0)
+            average = self.clock.step_avg(step + 1, train_time_ms)
             self.log(f"step:{step + 1}/{self.args.num_iterations} "
                      f"train_loss:{self.host_losses[step].item():.4f} "
                      f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
@@ -2054,22 +2026,19 @@ class Run(contextlib.AbstractContextManager):
         log = self.log
         if not self.master:
             return
+        how = "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
         if self.saved:
             how = f"resume with: {resume_command(self.saved, self.world_size)}"
-        elif log.unsaved_step == self.step and log.checkpoints:
-            last_step, last = log.checkpoints[-1]
-            how = (f"its checkpoint could not be written (see the warning above): from step "
-                   f"{last_step}, resume with: {resume_command(last, self.world_size)}")
         elif log.unsaved_step == self.step:
             how = "its checkpoint could not be written (see the warning above), nor any before it"
-        else:
-            how = ("no checkpoint was written (--checkpoint_every N or --save_checkpoint true "
-                   "write one)")
-        if log.failure:
-            line = f"error: {log.failure}: stopped after step {self.step}; {how}"
-        else:
-            stopped_by = signal.Signals(self.stop_signal).name
-            line = f"stopped by {stopped_by} after step {self.step}; {how}"
+            if log.checkpoints:
+                last_step, last = log.checkpoints[-1]
+                how = (f"its checkpoint could not be written (see the warning above): from step "
+                       f"{last_step}, resume with: {resume_command(last, self.world_size)}")
+        stopped_by = f"error: {log.failure}: stopped"
+        if not log.failure:
+            stopped_by = f"stopped by {signal.Signals(self.stop_signal).name}"
+        line = f"{stopped_by} after step {self.step}; {how}"
         log(line, console=sys.stderr)
         tell_launcher(line, self.exit_code)
 
