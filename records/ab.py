@@ -30,9 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-# records/ is not a package: compare.py, the log parser, is imported from beside this file
+# records/ is not a package: the tools' shared module, the log parser, is imported from beside
+# this file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare  # noqa: E402
+import runlog  # noqa: E402
 
 # of a failed run's output
 TAIL_LINES = 20
@@ -58,7 +59,7 @@ def command(side: list[str], common: list[str], nproc: int, log_dir: Path) -> li
     return [*launcher, *side, *common, "--log_dir", str(log_dir)]
 
 
-def run_once(label: str, cmd: list[str], run_dir: Path) -> compare.Run:
+def run_once(label: str, cmd: list[str], run_dir: Path) -> runlog.Run:
     """Run one trainer command, its output going to run_dir/console.log; return its parsed log."""
     run_dir.mkdir(parents=True)
     console = run_dir / "console.log"
@@ -80,8 +81,8 @@ def run_once(label: str, cmd: list[str], run_dir: Path) -> compare.Run:
             f"{label} wrote {len(logs)} logs in {run_dir}, expected one: {shlex.join(cmd)}"
         )
     try:
-        return compare.parse_log(logs[0])
-    except compare.LogError as e:
+        return runlog.parse_log(logs[0])
+    except runlog.LogError as e:
         raise RunFailed(f"{label}'s log {logs[0]}: {e}") from None
 
 
@@ -111,7 +112,7 @@ def ratio_line(a_ms: list[float], b_ms: list[float]) -> str:
     )
 
 
-def runs_table(labels: list[str], runs: list[compare.Run]) -> str:
+def runs_table(labels: list[str], runs: list[runlog.Run]) -> str:
     """One row per run: ms/step, peak memory, seconds to step 1 and final val loss."""
 
     def num(x, fmt):
@@ -128,7 +129,7 @@ def runs_table(labels: list[str], runs: list[compare.Run]) -> str:
         ]
         for label, r in zip(labels, runs)
     ]
-    return compare.format_table(header, rows, right={1, 2, 3, 4})
+    return runlog.format_table(header, rows, right={1, 2, 3, 4})
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -1,19 +1,21 @@
 """Tests for records/ab.py: the B/A verdict, alternation, the printed numbers, failures, and one
-real A/B of the smoke preset."""
+real A/B of the smoke preset.
+
+    python -m pytest tests/test_ab.py -q
+"""
 
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import BACKGROUND
+from helpers import REPO
+from helpers import launch_env
 from helpers import load_records_script
-from processes import launch_env
+from helpers import run_process
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "records" / "ab.py"
+SCRIPT = REPO / "records" / "ab.py"
 
 ab = load_records_script("ab")
 
@@ -177,10 +179,10 @@ def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypa
 def test_a_failing_run_stops_with_a_clear_error(fake, tmp_path):
     order = tmp_path / "order.txt"
     out = tmp_path / "out"
-    proc = subprocess.run(
+    proc = run_process(
         [sys.executable, str(SCRIPT), f"{fake} --tag A", f"{fake} --tag B --fail B",
          "--nproc", "1", "--out", str(out), "--", "--order", str(order)],
-        capture_output=True, text=True, timeout=60, check=False,
+        60, env=launch_env(),
     )
     assert proc.returncode == 1
     # nothing runs after the failure
@@ -206,36 +208,21 @@ def test_bad_arguments_are_errors_before_any_run(fake, tmp_path, capsys):
 # ----------------------------------------------------------------- a real smoke A/B
 
 
-def real_smoke_ab(out):
+@pytest.mark.slow
+def test_real_smoke_ab(tmp_path):
     """One run each of the trainer's smoke preset, shrunk to the fewest steps with a timed one (11:
     timing starts after step 10) of one 128-token block through 6 layers of width 16. B's option is
     one that compiles nothing on a CPU (regional compilation would add seconds of inductor)."""
     small = ["--preset", "smoke", "--num_iterations", "11", "--val_loss_every", "0",
              "--num_layers", "6", "--model_dim", "16", "--num_heads", "1", "--batch_size", "128",
              "--max_device_batch_size", "128", "--val_tokens", "128"]
+    out = tmp_path / "out"
     # one thread: on a shared CPU, more threads than free cores make a run many times slower
-    env = launch_env(OMP_NUM_THREADS="1")
-    return subprocess.run(
+    proc = run_process(
         [sys.executable, str(SCRIPT), "train_gpt.py", "train_gpt.py --fused_head_loss false",
          "--runs", "1", "--nproc", "1", "--out", str(out), "--", *small],
-        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT, env=env,
+        300, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"),
     )
-
-
-def real_smoke_ab_in_background(request):
-    """Started at session start (the test's mark); gives the out folder and the finished process."""
-    tmp = request.getfixturevalue("tmp_path_factory")
-
-    def run():
-        out = tmp.mktemp("real_ab") / "out"
-        return out, real_smoke_ab(out)
-    return BACKGROUND.once("real_smoke_ab", run)
-
-
-@pytest.mark.slow
-@pytest.mark.background.with_args(real_smoke_ab_in_background)
-def test_real_smoke_ab(request):
-    out, proc = real_smoke_ab_in_background(request).result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = rows_of(proc.stdout)
     assert list(rows) == ["A1", "B1"]

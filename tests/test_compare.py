@@ -1,4 +1,8 @@
-"""Tests for records/compare.py: log parsing, the t-test, the report and the plot."""
+"""Tests for records/compare.py and the log reader it shares with ab.py (records/runlog.py): log
+parsing, the t-tests against SciPy computed here, the report and the plot.
+
+    python -m pytest tests/test_compare.py -q
+"""
 
 import math
 import os
@@ -8,17 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import BACKGROUND
 from helpers import LN_VOCAB
+from helpers import REPO
+from helpers import launch_env
 from helpers import load_records_script
-from helpers import smoke_marked
-from processes import launch_env
-from processes import run_process
+from helpers import run_process
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "records" / "compare.py"
+SCRIPT = REPO / "records" / "compare.py"
 
 compare = load_records_script("compare")
+# the module compare.py imported (a second copy would have other exception classes)
+runlog = compare.runlog
 
 SUMMARY = re.compile(
     r"^n=(\d+) mean=(\d+\.\d{4}) std=(\d+\.\d{4}) t=(-?\d+\.\d{2}) "
@@ -226,7 +230,7 @@ def test_two_runs_in_one_file_are_refused(tmp_path):
     b = make_log(tmp_path / "b.txt", curve(3.3, planned=50), 50).read_text()
     both = tmp_path / "both.txt"
     both.write_text(a + b.split("=" * 100 + "\n")[-1])
-    with pytest.raises(compare.LogError, match="not one run"):
+    with pytest.raises(runlog.LogError, match="not one run"):
         compare.parse_log(both)
 
 
@@ -254,7 +258,7 @@ def test_unusable_logs_raise_with_a_reason(tmp_path):
         empty: "not a log",
     }
     for path, reason in expected.items():
-        with pytest.raises(compare.LogError, match=re.escape(reason)):
+        with pytest.raises(runlog.LogError, match=re.escape(reason)):
             compare.parse_log(path)
 
 
@@ -383,7 +387,7 @@ def test_report_has_rows_shared_steps_and_summary_last(tmp_path, capsys):
 def test_shared_steps_are_the_intersection(tmp_path):
     a = compare.parse_log(make_log(tmp_path / "a.txt", curve(3.28, 40, every=10), 40))
     b = compare.parse_log(make_log(tmp_path / "b.txt", curve(3.27, 40, every=20), 40))
-    table = compare.shared_steps_table([a, b])
+    table = compare.shared_steps_table([a, b], ["1", "2"])
     assert [line.split()[0] for line in table.splitlines()[2:]] == ["0", "20", "40"]
 
 
@@ -421,27 +425,18 @@ def test_nothing_usable_is_an_error_not_a_traceback(tmp_path, capsys):
     assert code == 1 and "junk.txt: not a log" in err and "Traceback" not in err
 
 
-def compare_script(request):
-    """On the background queue: records/compare.py run as a script on a folder of two finished logs
-    and an unreadable file; gives the folder and the finished process."""
-    folder = request.getfixturevalue("tmp_path_factory").mktemp("compare_script")
-    for i, final in enumerate([3.27, 3.275]):
-        make_log(folder / f"r{i}.txt", curve(final), 40)
-    (folder / "broken.txt").write_bytes(b"\xff\xfe garbage")
-    command = [sys.executable, str(SCRIPT), str(folder)]
-    return BACKGROUND.once("compare_script", run_process, command, 60, env=launch_env())
-
-
 @pytest.mark.slow
-@pytest.mark.background.with_args(compare_script)
-def test_command_line_script(request):
-    """A process, so slow: on the background queue, beside the in-process tests."""
-    proc = compare_script(request).result()
-    folder = Path(proc.args[-1])
+def test_command_line_script(tmp_path):
+    """records/compare.py run as a script on a folder of two finished logs and one that is not a
+    log: no traceback, the test as the last line."""
+    for i, final in enumerate([3.27, 3.275]):
+        make_log(tmp_path / f"r{i}.txt", curve(final), 40)
+    (tmp_path / "broken.txt").write_bytes(b"\xff\xfe garbage")
+    proc = run_process([sys.executable, str(SCRIPT), str(tmp_path)], 60, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     assert "broken.txt" in proc.stderr and "Traceback" not in proc.stderr
     assert SUMMARY.match(proc.stdout.strip().splitlines()[-1])
-    assert all(str(folder / f"r{i}.txt") in proc.stdout for i in range(2))
+    assert all(str(tmp_path / f"r{i}.txt") in proc.stdout for i in range(2))
 
 
 # -------------------------------------------------------------------------------- plot
@@ -530,7 +525,6 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@smoke_marked(("short", 1), ("short", 2), ("full",))
 def test_smoke_run_logs(smoke_logs, capsys):
     """Logs written by real smoke runs of the trainer parse and compare."""
     assert len(smoke_logs) >= 2
@@ -556,7 +550,7 @@ def test_smoke_run_logs(smoke_logs, capsys):
 
 def test_committed_gpu_logs_are_read():
     """Every log under records/ parses; the one-H100 A/B pair reads as its README's figures say."""
-    logs = sorted((ROOT / "records").glob("*/*.txt"))
+    logs = sorted((REPO / "records").glob("*/*.txt"))
     assert logs, "records/ holds at least the one-H100 runs"
     runs = {log.name: compare.parse_log(log) for log in logs}
     plain = runs["ab-16384-defaults.txt"]
@@ -782,7 +776,7 @@ def test_a_run_diverged_midway_is_named_as_diverged(tmp_path):
         last_line="error: val loss is nan at step 10: training diverged, most likely ...",
     )
     with pytest.raises(
-        compare.LogError, match=re.escape("diverged (val loss nan at step 10 of 40)")
+        runlog.LogError, match=re.escape("diverged (val loss nan at step 10 of 40)")
     ):
         compare.parse_log(log)
 
@@ -809,7 +803,7 @@ def test_two_runs_of_the_same_plan_in_one_file_are_refused(tmp_path):
     a = make_log(tmp_path / "a.txt", curve(3.3), 40).read_text()
     both = tmp_path / "both.txt"
     both.write_text(a + a.split("=" * 100 + "\n")[-1])
-    with pytest.raises(compare.LogError, match="not one run .step lines go back from step 40 to 0"):
+    with pytest.raises(runlog.LogError, match="not one run .step lines go back from step 40 to 0"):
         compare.parse_log(both)
 
 
@@ -818,7 +812,7 @@ def test_train_time_going_back_after_timing_started_is_refused(tmp_path):
     log.write_text(
         log.read_text().replace("step:25/40 train_time:1500ms", "step:25/40 train_time:900ms")
     )
-    with pytest.raises(compare.LogError, match="train_time goes back from 1400ms at step 24"):
+    with pytest.raises(runlog.LogError, match="train_time goes back from 1400ms at step 24"):
         compare.parse_log(log)
 
 
@@ -831,7 +825,7 @@ def test_train_time_going_back_after_timing_started_is_refused(tmp_path):
 )
 def test_odd_step_lines_are_refused(tmp_path, bad):
     log = make_log(tmp_path / "a.txt", curve(3.3), 40, last_line=bad)
-    with pytest.raises(compare.LogError, match="odd step line"):
+    with pytest.raises(runlog.LogError, match="odd step line"):
         compare.parse_log(log)
 
 
