@@ -82,7 +82,7 @@ def run_once(label: str, cmd: list[str], run_dir: Path) -> runlog.Run:
         )
     try:
         return runlog.parse_log(logs[0])
-    except runlog.LogError as e:
+    except (runlog.LogError, runlog.Unreadable) as e:
         raise RunFailed(f"{label}'s log {logs[0]}: {e}") from None
 
 

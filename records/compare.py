@@ -8,14 +8,15 @@ SciPy's one-sided ttest_1samp(losses, target, alternative="less"), as the record
 With --vs, group B (after it) against group A: each group's test, how they differ, and B - A
 with SciPy's Welch test, ttest_ind(b, a, equal_var=False): its df, 95% interval and p.
 
-A stopped, diverged or unfinished run, or what is not a log, is named and left out; runs of
-different configurations are not pooled: the test is refused in one line naming the difference.
+A run counts once, known by its run id (its log is <run id>.txt; a resumed run's names the run it
+resumed) or by its step lines. A copy, a stopped, diverged or unfinished run, or what is not a log
+is named and left out; a path that cannot be read is an error naming it; runs of different
+configurations, or one run in both groups, are refused in one line.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import math
 import os
 import socket
@@ -51,30 +52,37 @@ class Refusal(Exception):
 # ---------------------------------------------------------------- runs and configurations
 
 
-def collect_paths(args: list[str]) -> tuple[list[Path], list[str]]:
-    """The files that files, folders (every *.txt below) and globs name, each once; skip lines."""
-    paths = {}
+def load_groups(groups: list[list[str]]) -> tuple[list[list[Run]], list[str], list[str]]:
+    """Each group's finished runs, each run once; a line for each log left out; and one for each
+    path that cannot be read. Refusal for a run in both groups."""
+    runs = []
     skipped = []
-    for arg in args:
-        matches = []
-        if Path(arg).exists():
-            matches = [Path(arg)]
-        elif glob.has_magic(arg):
-            matches = [Path(name) for name in sorted(glob.glob(arg, recursive=True))]
-            if not matches:
-                skipped.append(f"skipped {arg}: no file or directory matches this pattern")
-        else:
-            skipped.append(f"skipped {arg}: no such file or directory")
-        for match in matches:
-            found = [match]
-            if match.is_dir():
-                found = sorted(q for q in match.rglob("*.txt") if q.is_file())
-                if not found:
-                    skipped.append(f"skipped {match}: no *.txt logs in this directory")
-            for path in found:
-                # the same log named twice must not count twice
-                paths.setdefault(path.resolve(), path)
-    return list(paths.values()), skipped
+    unreadable = []
+    group_of = {}
+    for name, args in zip("AB", groups):
+        paths, nothing, unlisted = runlog.log_files(args)
+        skipped += nothing
+        unreadable += unlisted
+        for path in paths:
+            try:
+                runs.append(parse_log(path))
+            except runlog.LogError as e:
+                skipped.append(f"skipped {path}: {e}")
+            except runlog.Unreadable as e:
+                unreadable.append(str(e))
+            else:
+                group_of[id(runs[-1])] = name
+    left_out = set()
+    for run, twin, how in runlog.count_once(runs):
+        if group_of[id(run)] != group_of[id(twin)]:
+            a, b = sorted([run, twin], key=lambda r: group_of[id(r)])
+            raise Refusal(f"{a.path} in A and {b.path} in B are the same run ({how}); give each "
+                          "run to one group")
+        skipped.append(f"skipped {run.path}: the same run as {twin.path} ({how}); counted once")
+        left_out.add(id(run))
+    counted = [r for r in runs if id(r) not in left_out]
+    grouped = [[r for r in counted if group_of[id(r)] == name] for name in "AB"[: len(groups)]]
+    return grouped, skipped, unreadable
 
 
 def configuration(run: Run) -> dict[str, str]:
@@ -387,29 +395,19 @@ def main(argv: list[str] | None = None) -> int:
             return error(str(e), 2)
 
     two_groups = args.vs is not None
-    groups = []
-    skipped = []
-    for logs in [args.logs] + ([args.vs] if two_groups else []):
-        paths, nothing = collect_paths(logs)
-        skipped += nothing
-        groups.append([])
-        for path in paths:
-            try:
-                groups[-1].append(parse_log(path))
-            except runlog.LogError as e:
-                skipped.append(f"skipped {path}: {e}")
-    for line in skipped:
+    try:
+        groups, skipped, unreadable = load_groups([args.logs] + ([args.vs] if two_groups else []))
+    except Refusal as e:
+        return error(str(e), 1)
+    for line in skipped + [f"error: {problem}" for problem in unreadable]:
         print(line, file=sys.stderr)
-    in_a = {r.path.resolve() for r in groups[0]}
-    both = [r.path for r in groups[-1] if two_groups and r.path.resolve() in in_a]
-    if both:
-        return error(f"{both[0]} is in both groups; give each log to one group", 1)
-    if not two_groups and not groups[0]:
-        print("no finished runs to compare", file=sys.stderr)
+    if unreadable:
         return 1
     for name, group in zip(("A", "B (--vs)"), groups):
-        if not group:
+        if not group and two_groups:
             return error(f"group {name} has no finished runs to compare", 1)
+        if not group:
+            return error("no finished runs to compare", 1)
 
     every_run = [run for group in groups for run in group]
     labels = [str(i) for i in range(1, len(every_run) + 1)]

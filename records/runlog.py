@@ -1,6 +1,9 @@
-"""What the records tools share: the trainer's log as they read it, and a table of runs.
+"""What the records tools share: how they read a path, the trainer's log, and a table of runs.
 
-A pipe or a device where a log is expected is never opened: it could block, or never end.
+How a path is read, in every tool: it is checked before it is opened. A folder that cannot be
+listed, a file that cannot be read, or a pipe or a device where a file is expected (opening one
+could block, reading it might never end) is an `Unreadable` error naming it, never a path passed
+over without a word.
 
 The log (records/README.md): the trainer's source, a line of 100 '=', versions, devices and
 nvidia-smi, `hyperparameters:` with one `  name = value` line per option, the shard lists, then the
@@ -10,14 +13,17 @@ step lines, exactly
     step:{step}/{N} train_loss:{loss:.4f} train_time:{ms:.0f}ms step_avg:{avg:.2f}ms
 
 among other lines (startup:, checkpoint:, resumed from ..., stopped by ...), and last
-`peak memory consumption: N MiB`.
+`peak memory consumption: N MiB`. The file is logs/<run id>.txt, the run id a uuid.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from dataclasses import field
 from pathlib import Path
@@ -42,12 +48,17 @@ DEVICES_LINE = re.compile(r"^devices: (\d+) x (.+)$")
 SMI_GPU_ROW = re.compile(r"^\|\s+(\d+)\s+(\S.*?)\s+(?:On|Off|N/A)\s+\|")
 # One option of the configuration section, "  name = value" (an empty value loses its blank)
 OPTION_LINE = re.compile(r"^  (\w+) =(?: (.*))?$")
-# A resumed run's log says where it started; its first step after that is not timed either
-RESUMED_LINE = re.compile(r"^resumed from .* at step (\d+)\b")
+# A resumed run's log names its checkpoint, by default <log_dir>/<run id>/state_step<N>.pt
+RESUMED_LINE = re.compile(r"^resumed from (.*) at step (\d+)\b")
 # The trainer's last line after a stop signal, or after a failure of its log
 STOP_LINE = re.compile(r"^(?:stopped by \S+|error: .*: stopped) after step \d+")
 # In the trainer's source at the top of the log: how many first steps it leaves untimed
 UNTIMED_LINE = re.compile(r"^UNTIMED_STEPS = (\d+)\s*$")
+RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+class Unreadable(Exception):
+    """A path that cannot be read as asked; the message names it and says why."""
 
 
 class LogError(Exception):
@@ -55,13 +66,101 @@ class LogError(Exception):
 
 
 def read_file(path: Path) -> bytes:
-    """The bytes of a regular file; LogError for anything else, a pipe or a device unopened."""
-    if path.exists() and not path.is_file():
-        raise LogError("not a regular file")
+    """The bytes of a regular file; Unreadable for anything else, a pipe or a device unopened."""
     try:
-        return path.read_bytes()
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise Unreadable(f"{path} is a folder, not a file: give a file")
+        if not stat.S_ISREG(mode):
+            raise Unreadable(f"{path} is a pipe or a device, not a file: it is not read; give a "
+                             "file, or leave it out")
+        with open(path, "rb") as f:
+            return f.read()
     except OSError as e:
-        raise LogError(f"cannot read: {e.strerror or e}") from None
+        raise Unreadable(cannot(path, "read", e)) from None
+
+
+def cannot(path, what: str, error: OSError) -> str:
+    """The line for a path that cannot be listed or read."""
+    return f"{path} cannot be {what} ({error.strerror or error}): make it readable, or leave it out"
+
+
+def files_below(folder: Path, suffix: str) -> tuple[list[Path], list[str]]:
+    """Every file named *suffix in folder and the folders below it (links followed, each folder
+    once), sorted; and for each folder that cannot be listed, a line naming it."""
+    found = []
+    unlisted = []
+    seen = set()
+    pending = [Path(folder)]
+    while pending:
+        current = pending.pop()
+        try:
+            info = os.stat(current)
+            if (info.st_dev, info.st_ino) in seen:
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            with os.scandir(current) as listing:
+                entries = list(listing)
+        except OSError as e:
+            unlisted.append(cannot(current, "listed", e))
+            continue
+        for entry in entries:
+            if entry.is_dir():
+                pending.append(Path(entry.path))
+            elif entry.name.endswith(suffix):
+                # anything else by that name (a pipe, a broken link) is read_file's to refuse
+                found.append(Path(entry.path))
+    return sorted(found), unlisted
+
+
+def unlisted_on_the_way(pattern: str) -> list[str]:
+    """A line for each folder that glob.glob(pattern) must list and cannot (glob passes over it)."""
+    parts = Path(pattern).parts
+    unlisted = []
+    for i, part in enumerate(parts):
+        if not glob.has_magic(part):
+            continue
+        prefix = os.path.join(*parts[:i]) if i else "."
+        folders = glob.glob(prefix, recursive=True) if glob.has_magic(prefix) else [prefix]
+        for folder in filter(os.path.isdir, folders):
+            if part == "**":
+                unlisted += files_below(Path(folder), "")[1]
+                continue
+            try:
+                os.scandir(folder).close()
+            except OSError as e:
+                unlisted.append(cannot(folder, "listed", e))
+    return list(dict.fromkeys(unlisted))
+
+
+def log_files(args: list[str]) -> tuple[list[Path], list[str], list[str]]:
+    """The files that files, folders (every *.txt below) and globs name, each once; a line for
+    each argument that names nothing; and a line for each folder that cannot be listed."""
+    paths = {}
+    nothing = []
+    unlisted = []
+    for arg in args:
+        matches = []
+        if os.path.lexists(arg):
+            matches = [Path(arg)]
+        elif glob.has_magic(arg):
+            matches = [Path(name) for name in sorted(glob.glob(arg, recursive=True))]
+            unlisted += unlisted_on_the_way(arg)
+            if not matches:
+                nothing.append(f"skipped {arg}: no file or directory matches this pattern")
+        else:
+            nothing.append(f"skipped {arg}: no such file or directory")
+        for match in matches:
+            found = [match]
+            if match.is_dir():
+                found, unlistable = files_below(match, ".txt")
+                unlisted += unlistable
+                if not found and not unlistable:
+                    nothing.append(f"skipped {match}: no *.txt logs in this directory")
+            for path in found:
+                # the same file named twice is read once
+                paths.setdefault(path.resolve(), path)
+    return list(paths.values()), nothing, unlisted
 
 
 @dataclass
@@ -93,6 +192,50 @@ class Run:
     resumed_from: int | None = None
     # a digest of the trainer's source at the top of the log
     source_digest: str = ""
+    # the run ids this log is a part of: its own (its file name) and, resumed, its checkpoint's
+    run_ids: set[str] = field(default_factory=set)
+    # what its step lines measured, (val or train, step, loss, train_time), step_avg left out:
+    # a resumed run that only validates logs its run's last val line with another step_avg
+    measured: set[tuple] = field(default_factory=set)
+
+    def same_run(self, other: Run) -> bool:
+        """Whether the two logs are of one run: they share a run id or, unless both are new runs
+        with ids of their own, they have one configuration and the step lines of one are all in
+        the other's (a renamed copy; a resumed run that only validated its last checkpoint)."""
+        if self.run_ids & other.run_ids:
+            return True
+        new_runs = self.resumed_from is None and other.resumed_from is None
+        if new_runs and self.run_ids and other.run_ids:
+            return False
+        if (self.devices, self.made_as()) != (other.devices, other.made_as()):
+            return False
+        return self.measured <= other.measured or other.measured <= self.measured
+
+    def made_as(self) -> dict[str, str]:
+        """Its options but where it wrote and what it resumed, which differ from run to run."""
+        return {k: v for k, v in self.options.items() if k not in ("log_dir", "resume")}
+
+
+def count_once(runs: list[Run]) -> list[tuple[Run, Run, str]]:
+    """(log, the log kept for its run, how it is the same run) for each log of a run already
+    counted: a new run's log is kept before a resumed one's. What a left-out log knows of its run
+    (ids, step lines) joins the kept log's, so that a chain of resumed runs is one run."""
+    kept = []
+    twins = []
+    for run in sorted(runs, key=lambda r: -1 if r.resumed_from is None else r.resumed_from):
+        twin = next((k for k in kept if k.same_run(run)), None)
+        if twin is None:
+            kept.append(run)
+            continue
+        how = "a copy"
+        if run.path.resolve() == twin.path.resolve():
+            how = "the same file"
+        elif run.resumed_from is not None:
+            how = f"resumed from its checkpoint at step {run.resumed_from}"
+        twins.append((run, twin, how))
+        twin.run_ids |= run.run_ids
+        twin.measured |= run.measured
+    return twins
 
 
 def _float(text: str, line: str) -> float:
@@ -149,7 +292,8 @@ def _parse_header(lines: list[str], run: Run) -> None:
 
 
 def parse_log(path: str | Path) -> Run:
-    """Parse one log into a finished Run, or raise LogError saying why it can't be used."""
+    """Parse one log into a finished Run; LogError says why it cannot be used, Unreadable why it
+    cannot be read."""
     path = Path(path)
     lines = _read_lines(path)
     # The log begins with the trainer's source, whose f-strings look like step lines;
@@ -164,10 +308,15 @@ def parse_log(path: str | Path) -> Run:
     first_step = next((i for i, line in enumerate(body) if line.startswith("step:")), len(body))
     run = Run(path=path, planned=0, steps_done=-1)
     run.source_digest = hashlib.sha256("\n".join(source).encode()).hexdigest()
+    if RUN_ID.fullmatch(path.stem):
+        run.run_ids.add(path.stem)
     _parse_header(body[:first_step], run)
     for line in body:
         if m := RESUMED_LINE.match(line):
-            run.resumed_from = int(m.group(1))
+            run.resumed_from = int(m.group(2))
+            checkpoint_folder = Path(m.group(1)).parent.name
+            if RUN_ID.fullmatch(checkpoint_folder):
+                run.run_ids.add(checkpoint_folder)
 
     # steps whose lines say "step_avg:nanms" from the first step line on: not timed yet
     nan_average_through = -1
@@ -197,6 +346,7 @@ def parse_log(path: str | Path) -> Run:
         run.steps_done = step
         average = _float(m.group(5), line)
         line_times.append((val is not None, step, float(m.group(4))))
+        run.measured.add((val is not None, step, m.group(3), m.group(4)))
         if math.isnan(average) and not timed_seen:
             nan_average_through = step
         else:

@@ -1,13 +1,18 @@
 """Tests for records/compare.py and the log reader it shares with ab.py (records/runlog.py): log
-parsing, the t-tests against SciPy computed here, the report and the plot.
+parsing, which runs count, the t-tests against SciPy computed here, the report and the plot.
 
     python -m pytest tests/test_compare.py -q
 """
 
+import builtins
+import errno
+import io
 import math
 import os
 import re
+import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -402,7 +407,8 @@ def test_target_option_changes_the_test(tmp_path, capsys):
 
 
 def test_equal_losses_give_a_note_and_a_summary(tmp_path, capsys):
-    logs = [make_log(tmp_path / f"r{i}.txt", curve(3.27), 40) for i in range(2)]
+    logs = [make_log(tmp_path / f"r{i}.txt", curve(3.27), 40, ms_per_step=100 + i)
+            for i in range(2)]
     _, out, _ = run_main(capsys, *logs)
     lines = out.strip().splitlines()
     assert "std 0" in lines[-2]
@@ -595,9 +601,15 @@ def welch_reference(a, b):
     return diff, diff - half, diff + half, df, test.statistic, test.pvalue
 
 
+def run_id(i):
+    """A new run id, as the trainer names its log (<run id>.txt), that sorts as the i-th."""
+    return f"{i:08x}{str(uuid.uuid4())[8:]}"
+
+
 def group_logs(folder, finals, planned=40, **kwargs):
+    """A log per final val loss, each named by a run id of its own as the trainer names them."""
     return [
-        make_log(folder / f"run{i}.txt", curve(final, planned), planned, **kwargs)
+        make_log(folder / f"{run_id(i)}.txt", curve(final, planned), planned, **kwargs)
         for i, final in enumerate(finals)
     ]
 
@@ -616,7 +628,7 @@ def group_logs(folder, finals, planned=40, **kwargs):
 def test_b_against_a_is_welchs_test_with_its_interval(tmp_path, capsys, a, b):
     group_logs(tmp_path / "a", a)
     group_logs(tmp_path / "b", b)
-    code, out, err = run_main(capsys, tmp_path / "a", "--vs", str(tmp_path / "b" / "run*.txt"))
+    code, out, err = run_main(capsys, tmp_path / "a", "--vs", str(tmp_path / "b" / "*.txt"))
     assert code == 0, err
     lines = out.strip().splitlines()
     m = WELCH_LINE.match(lines[-1])
@@ -690,7 +702,8 @@ def test_a_log_in_both_groups_is_refused(tmp_path, capsys):
     code, out, err = run_main(capsys, *logs, "--vs", logs[1])
     assert code == 1 and out == ""
     assert err.strip().splitlines() == [
-        f"error: {logs[1]} is in both groups; give each log to one group"
+        f"error: {logs[1]} in A and {logs[1]} in B are the same run (the same file); give each "
+        "run to one group"
     ]
 
 
@@ -829,12 +842,154 @@ def test_odd_step_lines_are_refused(tmp_path, bad):
         compare.parse_log(log)
 
 
-def test_a_named_pipe_is_not_read(tmp_path, capsys):
-    fifo = tmp_path / "pipe.txt"
+# ------------------------------------------------- every path is read or refused, never passed over
+
+
+def deny(monkeypatch, *paths):
+    """os.scandir and open refuse these paths with EACCES, as the kernel refuses another user's
+    folder or file (chmod does not stop root, who may run these tests)."""
+    denied = {os.fspath(path) for path in paths}
+    real_scandir = os.scandir
+    real_open = io.open
+
+    def refused(path):
+        return PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+
+    def scandir(path="."):
+        if os.fspath(path) in denied:
+            raise refused(path)
+        return real_scandir(path)
+
+    def open_file(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) in denied:
+            raise refused(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(io, "open", open_file)
+    monkeypatch.setattr(builtins, "open", open_file)
+
+
+def test_a_folder_that_cannot_be_listed_is_an_error_not_a_gap(tmp_path, capsys, monkeypatch):
+    # the two worst runs in a folder that cannot be listed would leave the test looking good
+    group_logs(tmp_path / "logs", [3.2790, 3.2795])
+    group_logs(tmp_path / "logs" / "locked", [3.2850, 3.2860])
+    deny(monkeypatch, tmp_path / "logs" / "locked")
+    code, out, err = run_main(capsys, tmp_path / "logs")
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"error: {tmp_path / 'logs' / 'locked'} cannot be listed (Permission denied): make it "
+        "readable, or leave it out"
+    ]
+
+
+def test_a_glob_through_a_folder_that_cannot_be_listed_is_an_error(tmp_path, capsys, monkeypatch):
+    group_logs(tmp_path / "logs" / "open", [3.2790, 3.2795])
+    group_logs(tmp_path / "logs" / "locked", [3.2850, 3.2860])
+    deny(monkeypatch, tmp_path / "logs" / "locked")
+    code, out, err = run_main(capsys, str(tmp_path / "logs" / "*" / "*.txt"))
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"error: {tmp_path / 'logs' / 'locked'} cannot be listed (Permission denied): make it "
+        "readable, or leave it out"
+    ]
+
+
+def test_a_log_that_cannot_be_read_is_an_error_not_skipped(tmp_path, capsys, monkeypatch):
+    logs = group_logs(tmp_path, [3.2790, 3.2795, 3.2850])
+    deny(monkeypatch, logs[2])
+    code, out, err = run_main(capsys, tmp_path)
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"error: {logs[2]} cannot be read (Permission denied): make it readable, or leave it out"
+    ]
+
+
+def test_a_pipe_or_a_device_is_refused_unopened(tmp_path, capsys):
+    logs = group_logs(tmp_path / "logs", [3.2790, 3.2795])
+    # named, and found in a folder: opening a pipe would wait for a writer that never comes
+    fifo = tmp_path / "logs" / "pipe.txt"
     os.mkfifo(fifo)
-    log = make_log(tmp_path / "a.txt", curve(3.3), 40)
-    code, out, err = run_main(capsys, log, fifo)
-    assert code == 0 and f"skipped {fifo}: not a regular file" in err
+    code, out, err = run_main(capsys, *logs, fifo, "/dev/null")
+    assert code == 1 and out == ""
+    how = "is a pipe or a device, not a file: it is not read; give a file, or leave it out"
+    assert err.splitlines() == [f"error: {fifo} {how}", f"error: /dev/null {how}"]
+    code, out, err = run_main(capsys, tmp_path / "logs")
+    assert code == 1 and err.splitlines() == [f"error: {fifo} {how}"]
+
+
+# ----------------------------------------------------------------------- each run counts once
+
+
+def test_a_copy_of_a_log_counts_once(tmp_path, capsys):
+    logs = group_logs(tmp_path / "logs", [3.2790, 3.2801, 3.2785])
+    # records/README.md's way to add a record: the logs copied as the trainer wrote them
+    kept = tmp_path / "records" / "2026-01-01_try"
+    kept.mkdir(parents=True)
+    shutil.copy(logs[0], kept)
+    # and one renamed: known by its step lines
+    shutil.copy(logs[1], kept / "best.txt")
+    code, out, err = run_main(capsys, tmp_path / "logs", tmp_path / "records")
+    assert code == 0
+    assert err.splitlines() == [
+        f"skipped {kept / logs[0].name}: the same run as {logs[0]} (a copy); counted once",
+        f"skipped {kept / 'best.txt'}: the same run as {logs[1]} (a copy); counted once",
+    ]
+    from scipy import stats
+    test = stats.ttest_1samp([3.2790, 3.2801, 3.2785], 3.28, alternative="less")
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"n=3 mean=3.2792 std=0.0008 t={test.statistic:.2f} ")
+
+
+def resumed_copy(log, path, checkpoint, step_avg="99.99"):
+    """The log of a run resumed from `checkpoint` at its last step, which only validates: its
+    header, its note, the last val line again (with another step_avg, as the trainer prints it)."""
+    text = log.read_text()
+    header, steps = text.split("step:0/", 1)
+    last_val = [line for line in steps.splitlines() if " val_loss:" in line][-1]
+    last_val = re.sub(r"step_avg:\S+ms", f"step_avg:{step_avg}ms", last_val)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    step = last_val.split("/")[1].split()[0]
+    path.write_text(f"{header}resumed from {checkpoint} at step {step}\n{last_val}\n"
+                    "peak memory consumption: 20000 MiB\n")
+    return path
+
+
+def test_a_resumed_run_that_only_validates_counts_once(tmp_path, capsys):
+    logs = group_logs(tmp_path / "logs", [3.2790, 3.2801, 3.2785])
+    # resumed from the run's own checkpoint folder (logs/<run id>/), and from one moved away
+    checkpoint = tmp_path / "logs" / logs[0].stem / "state_step000040.pt"
+    again = resumed_copy(logs[0], tmp_path / "later" / f"{run_id(7)}.txt", checkpoint)
+    moved = resumed_copy(logs[1], tmp_path / "later" / f"{run_id(8)}.txt", tmp_path / "x.pt")
+    code, out, err = run_main(capsys, tmp_path / "logs", tmp_path / "later")
+    assert code == 0
+    how = "(resumed from its checkpoint at step 40); counted once"
+    assert err.splitlines() == [
+        f"skipped {again}: the same run as {logs[0]} {how}",
+        f"skipped {moved}: the same run as {logs[1]} {how}",
+    ]
+    assert out.strip().splitlines()[-1].startswith("n=3 mean=3.2792 ")
+
+
+def test_the_same_runs_as_a_and_b_refuse_the_test(tmp_path, capsys):
+    logs = group_logs(tmp_path / "a", [3.2790, 3.2801, 3.2785])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    code, out, err = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"error: {logs[0]} in A and {tmp_path / 'b' / logs[0].name} in B are the same run (a "
+        "copy); give each run to one group"
+    ]
+
+
+def test_two_runs_with_equal_lines_are_two_runs(tmp_path, capsys):
+    # two deterministic runs too short to be timed log the same lines: their ids tell them apart
+    one = make_log(tmp_path / f"{run_id(0)}.txt", curve(3.27), 40)
+    other = tmp_path / f"{run_id(1)}.txt"
+    shutil.copy(one, other)
+    code, out, err = run_main(capsys, one, other)
+    assert code == 0 and err == ""
+    assert out.strip().splitlines()[-1].startswith("n=2 ")
 
 
 # ------------------------------------------------------------------------ plot: time axis
