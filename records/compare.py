@@ -5,8 +5,8 @@
 A folder stands for every *.txt below it, a quoted glob for what it matches. One row per finished
 run, the val losses at the steps they share, then, for two or more runs of one configuration,
 SciPy's one-sided ttest_1samp(losses, target, alternative="less"), as the record READMEs run it.
-With --vs, group B (after it) against group A: each group's test, how they differ, and B - A
-with SciPy's Welch test, ttest_ind(b, a, equal_var=False): its df, 95% interval and p.
+With --vs, group B (after it) against group A: each group's test, every setting they differ in,
+and B - A with SciPy's Welch test, ttest_ind(b, a, equal_var=False): its df, 95% interval and p.
 
 A run counts once, known by its run id (its log is <run id>.txt; a resumed run's names the run it
 resumed) or by its step lines. A copy, a stopped, diverged or unfinished run, or what is not a log
@@ -85,35 +85,35 @@ def load_groups(groups: list[list[str]]) -> tuple[list[list[Run]], list[str], li
     return grouped, skipped, unreadable
 
 
-def configuration(run: Run) -> dict[str, str]:
-    """What makes runs comparable: steps, devices, every logged option but those of how the run
-    runs; shards by file name, wherever their folder."""
-    config = {"steps": str(run.planned), "devices": run.devices}
-    for name, value in run.options.items():
+def settings(run: Run, configuration: bool = False) -> dict[str, str]:
+    """How a run was made: steps, devices, logged options (with `configuration`, only those of what
+    it trains and how it is measured); shards by file name, wherever their folder."""
+    known = {"steps": str(run.planned), "devices": run.devices}
+    for name, value in run.made_as().items():
         if name in DATA_FILES:
             value = value.replace("\\", "/").rsplit("/", 1)[-1]
         # num_iterations is the steps
-        if name != "num_iterations" and name not in NOT_CONFIGURATION:
-            config[name] = value
-    return config
+        if name != "num_iterations" and not (configuration and name in NOT_CONFIGURATION):
+            known[name] = value
+    return known
 
 
-def differences(first: Run, second: Run, names=None) -> list[str]:
-    """The fields (or `names`) in which two runs' configurations differ, 'name a / b': those that
-    both logs have (the public records' logs have none but the steps and devices)."""
-    one = configuration(first)
-    other = configuration(second)
+def differences(a: list[Run], b: list[Run], names=None, configuration=False) -> list[str]:
+    """The settings (or `names`) whose values differ between runs a and runs b, 'name a / b'; an
+    option one side's trainer lacks is '(no such option)', unless that side logs no options at all
+    (the public records' logs): then nothing is known of them."""
     found = []
-    for name in one:
-        if (names is None or name in names) and name in other and one[name] != other[name]:
-            found.append(f"{name} {one[name] or repr('')} / {other[name] or repr('')}")
+    for name in dict.fromkeys(n for run in a + b for n in settings(run, configuration)):
+        if names is not None and name not in names:
+            continue
+        values = []
+        for side in (a, b):
+            logged = [r for r in side if r.options or name in ("steps", "devices")]
+            shown = {settings(r, configuration).get(name, "(no such option)") for r in logged}
+            values.append(" | ".join(sorted(value or repr("") for value in shown)))
+        if all(values) and values[0] != values[1]:
+            found.append(f"{name} {values[0]} / {values[1]}")
     return found
-
-
-def named(found: list[str], most: int) -> str:
-    """The first few differences, and how many more there are."""
-    more = f" and {len(found) - most} more" if len(found) > most else ""
-    return ", ".join(found[:most]) + more
 
 
 def check_comparable(groups: list[list[Run]], labels: list[str]) -> None:
@@ -123,17 +123,19 @@ def check_comparable(groups: list[list[Run]], labels: list[str]) -> None:
     for name, runs in zip("AB", groups):
         where = f" in {name}" if len(groups) == 2 else ""
         for run, label in zip(runs[1:], labels[start + 1 :]):
-            found = differences(runs[0], run)
-            if found:
+            named = differences([runs[0]], [run], configuration=True)
+            if len(named) > 3:
+                named[2:] = [f"{named[2]} and {len(named) - 3} more"]
+            if named:
                 raise Refusal(f"no t-test{where}: runs {labels[start]} and {label} differ in "
-                              f"{named(found, 3)}, and runs of different configurations are not "
+                              f"{', '.join(named)}, and runs of different configurations are not "
                               "pooled: compare the logs of one configuration (name them, or their "
                               "folder)")
         start += len(runs)
-    found = differences(groups[0][0], groups[1][0], names=VAL_DATA) if len(groups) == 2 else []
-    if found:
+    named = differences(*groups, names=VAL_DATA) if len(groups) == 2 else []
+    if named:
         raise Refusal(f"no test of B against A: they are validated on different data "
-                      f"({', '.join(found)}), so their val losses do not compare; compare runs "
+                      f"({', '.join(named)}), so their val losses do not compare; compare runs "
                       "validated on the same val data")
 
 
@@ -232,11 +234,11 @@ def two_group_report(a: list[Run], b: list[Run], target: float) -> list[str]:
             lines.append(f"{name}: n=1 (the t-test needs two or more finished runs)")
         else:
             lines.append(f"{name}: {summary_line(runs, target)}")
-    found = differences(a[0], b[0])
-    if a[0].source_digest != b[0].source_digest:
-        found.append("the trainer's source")
-    if found:
-        lines.append(f"A and B differ in: {named(found, 10)}")
+    named = differences(a, b)
+    if {r.source_digest for r in a} != {r.source_digest for r in b}:
+        named.append("the trainer's source")
+    if named:
+        lines.append(f"A and B differ in: {', '.join(named)}")
     final_a = [r.final_loss for r in a]
     final_b = [r.final_loss for r in b]
     if min(len(a), len(b)) > 1 and len(set(final_a)) == len(set(final_b)) == 1:

@@ -724,6 +724,45 @@ def test_groups_validated_on_different_data_are_refused(tmp_path, capsys):
     assert "val_files fineweb_val_*.bin / enwiki_val_*.bin" in err
 
 
+def test_vs_names_an_option_that_only_one_groups_trainer_has(tmp_path, capsys):
+    # a fork that adds --mlp_ratio: its logs have a line the original's lack
+    group_logs(tmp_path / "a", [3.2801, 3.2795])
+    group_logs(tmp_path / "b", [3.2781, 3.2779], options={"mlp_ratio": "2"})
+    code, out, _ = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    assert code == 0
+    assert "A and B differ in: mlp_ratio (no such option) / 2\n" in out
+
+
+def test_vs_names_every_setting_that_differs(tmp_path, capsys):
+    changed = {f"option_{i}": str(i) for i in range(12)}
+    group_logs(tmp_path / "a", [3.2801, 3.2795], options={"seed": "0", "compile": "auto"})
+    group_logs(tmp_path / "b", [3.2781, 3.2779], options={"seed": "0", "compile": "false",
+                                                          **changed})
+    code, out, _ = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    (line,) = [line for line in out.splitlines() if line.startswith("A and B differ in: ")]
+    named = line.removeprefix("A and B differ in: ").split(", ")
+    # how it ran (compile) is a difference too, where it is one; the seed is not
+    only_b = [f"{name} (no such option) / {value}" for name, value in changed.items()]
+    assert code == 0 and named == ["compile auto / false", *only_b]
+
+
+def test_runs_of_a_trainer_with_an_option_more_are_not_pooled(tmp_path, capsys):
+    first = make_log(tmp_path / "a.txt", curve(3.28), 40)
+    second = make_log(tmp_path / "b.txt", curve(3.27), 40, options={"mlp_ratio": "2"})
+    code, out, err = run_main(capsys, first, second)
+    assert code == 1 and not SUMMARY.search(out)
+    difference = "mlp_ratio (no such option) / 2"
+    assert err.startswith(f"error: no t-test: runs 1 and 2 differ in {difference},")
+
+
+def test_public_logs_without_options_are_compared_by_steps_and_devices(tmp_path, capsys):
+    group_logs(tmp_path / "a", [3.2801, 3.2795], public=True)
+    group_logs(tmp_path / "b", [3.2781, 3.2779], options={"mlp_ratio": "2"})
+    code, out, _ = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    # the public records' logs say nothing of options: none is named as differing
+    assert code == 0 and "A and B differ in" not in out
+
+
 # ------------------------------------------------------- configurations, divergence, stops
 
 
