@@ -117,13 +117,12 @@ def command(side: list[str], common: list[str], nproc: int, log_dir: Path) -> li
     return [*launcher, side[0], *common, *side[1:], "--log_dir", str(log_dir)]
 
 
-def last_lines(console: Path, count: int) -> list[str]:
-    """The last lines of a run's console output (or why there are none)."""
+def console_lines(console: Path) -> list[str]:
+    """A run's console output, line by line (or why there is none)."""
     try:
-        text = runlog.read_file(console).decode(errors="replace")
+        return runlog.read_file(console).decode(errors="replace").splitlines()
     except runlog.Unreadable as e:
         return [str(e)]
-    return text.splitlines()[-count:]
 
 
 def run_once(label: str, cmd: list[str], run_dir: Path, stop: PassOn) -> runlog.Run:
@@ -138,12 +137,13 @@ def run_once(label: str, cmd: list[str], run_dir: Path, stop: PassOn) -> runlog.
         code = stop.run(cmd, out)
     print(f"{label}: finished in {time.perf_counter() - start:.1f} s", flush=True)
     if stop.signum:
-        lines = last_lines(console, TAIL_LINES) or ["no output"]
+        # its stop line, wherever it is: torchrun's report of the signal follows it
+        lines = console_lines(console) or ["no output"]
         last = next((line for line in reversed(lines) if runlog.STOP_LINE.match(line)), lines[-1])
         raise Stopped(f"stopped by {signal.Signals(stop.signum).name} during {label}, which "
                       f"ended with exit code {code}: {last}")
     if code != 0:
-        tail = "\n".join("    " + line for line in last_lines(console, TAIL_LINES))
+        tail = "\n".join("    " + line for line in console_lines(console)[-TAIL_LINES:])
         raise RunFailed(
             f"{label} failed with exit code {code}: {shlex.join(cmd)}\n"
             f"  last lines of its output ({console}):\n{tail}"
