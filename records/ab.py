@@ -4,7 +4,8 @@
 
 A and B are each a trainer script, optionally followed by its own flags, quoted as one argument
 (split as a shell would): two copies of the script, or one script with two flag sets. Flags after
-"--" go to both. For example, is a step faster with q, k and v as one product?
+"--" go to both; a side's own flags win over them. For example, is a step faster with regional
+compilation?
 
     python records/ab.py train_gpt.py "train_gpt.py --regional_compile true" --runs 3 \\
         -- --num_iterations 200 --val_loss_every 0
@@ -18,21 +19,27 @@ console output (console.log) stay.
 Printed: one row per run (ms/step, peak memory, seconds from launch to the end of step 1, final
 val loss), then the ratio B/A of ms/step: its mean over the pairs (A1,B1), (A2,B2), ... and the
 smallest and largest pair. When that range includes 1 the difference is "within noise".
+
+A stop (SIGTERM, SIGINT as from Ctrl-C, SIGHUP) is passed on to the run going on, which stops
+itself after its step (its stop line, and its checkpoint where it writes one); then ab.py says
+where it stopped and ends, with no further run.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-# records/ is not a package: compare.py, the log parser, is imported from beside this file
+# records/ is not a package: the tools' shared module is imported from beside this file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare  # noqa: E402
+import runlog  # noqa: E402
 
 # of a failed run's output
 TAIL_LINES = 20
@@ -40,6 +47,57 @@ TAIL_LINES = 20
 
 class RunFailed(Exception):
     """A run that crashed or left no usable log; the message says which and why."""
+
+
+class Stopped(Exception):
+    """A stop signal came: the message says where the A/B stopped."""
+
+
+class PassOn:
+    """Until closed, a stop signal (SIGTERM, SIGINT, and SIGHUP unless ignored, as under nohup)
+    is passed on, once, to the run going on, which stops itself. Each run has a session of its
+    own, so that a terminal's Ctrl-C reaches it only from here, once: torchrun, given a second
+    signal while it stops its workers, would cut their stop short."""
+
+    def __init__(self):
+        self.signum = 0
+        self.process = None
+        self.passed = False
+        signums = [signal.SIGTERM, signal.SIGINT]
+        hangup = getattr(signal, "SIGHUP", None)
+        if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
+            signums.append(hangup)
+        self.previous = {signum: signal.signal(signum, self.on_signal) for signum in signums}
+
+    def on_signal(self, signum, frame):
+        if not self.signum:
+            self.signum = signum
+        self.pass_on()
+
+    def pass_on(self):
+        if self.signum and self.process is not None and not self.passed:
+            self.passed = True
+            self.process.send_signal(self.signum)
+
+    def close(self):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def run(self, command: list[str], out) -> int:
+        """Run command to its end, output to out; a stop signal reaches it (if it came while the
+        command started, as soon as it has)."""
+        env = dict(os.environ)
+        # torchrun kills its workers this many seconds after passing a stop on (by default 30):
+        # time to finish the step and write a checkpoint (read by torch 2.12 and later)
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
+        self.process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.pass_on()
+        try:
+            return self.process.wait()
+        finally:
+            self.process = None
 
 
 def visible_gpus() -> int:
@@ -50,38 +108,57 @@ def visible_gpus() -> int:
 
 
 def command(side: list[str], common: list[str], nproc: int, log_dir: Path) -> list[str]:
-    """The command line of one run. --log_dir comes last so that it wins over any other."""
+    """The command line of one run: the flags for both sides before the side's own, which win
+    (the last of an option given twice counts); --log_dir last, which wins over any other."""
     launcher = [sys.executable]
     if nproc > 1:
         # what the torchrun command runs, with this interpreter
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, *side, *common, "--log_dir", str(log_dir)]
+    return [*launcher, side[0], *common, *side[1:], "--log_dir", str(log_dir)]
 
 
-def run_once(label: str, cmd: list[str], run_dir: Path) -> compare.Run:
+def console_lines(console: Path) -> list[str]:
+    """A run's console output, line by line (or why there is none)."""
+    try:
+        return runlog.read_file(console).decode(errors="replace").splitlines()
+    except runlog.Unreadable as e:
+        return [str(e)]
+
+
+def run_once(label: str, cmd: list[str], run_dir: Path, stop: PassOn) -> runlog.Run:
     """Run one trainer command, its output going to run_dir/console.log; return its parsed log."""
+    if stop.signum:
+        raise Stopped(f"stopped by {signal.Signals(stop.signum).name} before {label}")
     run_dir.mkdir(parents=True)
     console = run_dir / "console.log"
     print(f"{label}: {shlex.join(cmd)}", flush=True)
     start = time.perf_counter()
     with open(console, "w") as out:
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+        code = stop.run(cmd, out)
     print(f"{label}: finished in {time.perf_counter() - start:.1f} s", flush=True)
+    if stop.signum:
+        # its stop line, wherever it is: torchrun's report of the signal follows it
+        lines = console_lines(console) or ["no output"]
+        last = next((line for line in reversed(lines) if runlog.STOP_LINE.match(line)), lines[-1])
+        raise Stopped(f"stopped by {signal.Signals(stop.signum).name} during {label}, which "
+                      f"ended with exit code {code}: {last}")
     if code != 0:
-        lines = console.read_text(errors="replace").splitlines()[-TAIL_LINES:]
-        tail = "\n".join("    " + line for line in lines)
+        tail = "\n".join("    " + line for line in console_lines(console)[-TAIL_LINES:])
         raise RunFailed(
             f"{label} failed with exit code {code}: {shlex.join(cmd)}\n"
             f"  last lines of its output ({console}):\n{tail}"
         )
-    logs = sorted(run_dir.glob("*.txt"))
+    try:
+        logs = sorted(path for path in run_dir.iterdir() if path.name.endswith(".txt"))
+    except OSError as e:
+        raise RunFailed(f"{run_dir} cannot be listed ({e.strerror or e})") from None
     if len(logs) != 1:
         raise RunFailed(
             f"{label} wrote {len(logs)} logs in {run_dir}, expected one: {shlex.join(cmd)}"
         )
     try:
-        return compare.parse_log(logs[0])
-    except compare.LogError as e:
+        return runlog.parse_log(logs[0])
+    except (runlog.LogError, runlog.Unreadable) as e:
         raise RunFailed(f"{label}'s log {logs[0]}: {e}") from None
 
 
@@ -111,24 +188,18 @@ def ratio_line(a_ms: list[float], b_ms: list[float]) -> str:
     )
 
 
-def runs_table(labels: list[str], runs: list[compare.Run]) -> str:
+def runs_table(labels: list[str], runs: list[runlog.Run]) -> str:
     """One row per run: ms/step, peak memory, seconds to step 1 and final val loss."""
 
     def num(x, fmt):
         return "?" if x is None or math.isnan(x) else format(x, fmt)
 
     header = ["run", "step_avg (ms)", "peak mem (MiB)", "launch to step 1 (s)", "val loss"]
-    rows = [
-        [
-            label,
-            num(r.step_avg_ms, ".2f"),
-            num(r.peak_mib, "d"),
-            num(r.startup_s, ".1f"),
-            num(r.final_loss, ".4f"),
-        ]
-        for label, r in zip(labels, runs)
-    ]
-    return compare.format_table(header, rows, right={1, 2, 3, 4})
+    rows = []
+    for label, r in zip(labels, runs):
+        rows.append([label, num(r.step_avg_ms, ".2f"), num(r.peak_mib, "d"),
+                     num(r.startup_s, ".1f"), num(r.final_loss, ".4f")])
+    return runlog.format_table(header, rows, right={1, 2, 3, 4})
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -142,7 +213,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         usage="%(prog)s A B [--runs K] [--nproc N] [--out DIR] [-- FLAGS FOR BOTH...]",
         description="Time two trainer commands A and B, run alternately; print B/A of ms/step.\n"
-        'Flags after "--" go to both.',
+        'Flags after "--" go to both; a side\'s own flags win over them.',
         epilog='example:\n  %(prog)s train_gpt.py "train_gpt.py --regional_compile true" '
         "-- --num_iterations 100",
         # keeps the example on one line
@@ -168,38 +239,59 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    sides = {}
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the sides' scripts or the output folder, or None."""
     for name, spec in (("A", args.a), ("B", args.b)):
         side = shlex.split(spec)
-        if not side or not Path(side[0]).is_file():
-            print(f"error: {name} must begin with an existing script: {spec!r}", file=sys.stderr)
-            return 2
-        sides[name] = side
-    out = args.out or Path("logs") / time.strftime("ab-%Y%m%d-%H%M%S")
-    if out.exists() and any(out.iterdir()):
-        print(f"error: {out} is not empty; give a new --out folder", file=sys.stderr)
-        return 2
-    nproc = args.nproc or max(1, visible_gpus())
+        if not side or not os.path.lexists(side[0]):
+            return f"{name} must begin with an existing script: {spec!r}"
+        try:
+            runlog.read_file(Path(side[0]))
+        except runlog.Unreadable as e:
+            return f"{name}'s script {e}"
+    if args.out.exists() and not args.out.is_dir():
+        return f"--out {args.out} is not a folder; give a new --out folder"
+    if args.out.exists():
+        try:
+            with os.scandir(args.out) as listing:
+                used = next(listing, None) is not None
+        except OSError as e:
+            return f"--out {args.out} cannot be listed ({e.strerror or e}); give a new --out folder"
+        if used:
+            return f"{args.out} is not empty; give a new --out folder"
+    return None
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.out = args.out or Path("logs") / time.strftime("ab-%Y%m%d-%H%M%S")
+    problem = check_arguments(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    sides = {"A": shlex.split(args.a), "B": shlex.split(args.b)}
     labels = []
     runs = []
-    print(f"{args.runs} run(s) each of A and B, alternating, {nproc} process(es) per run")
-    print(f"logs in {out}")
+    # from here a stop ends the A/B cleanly, however early
+    stop = PassOn()
     try:
+        nproc = args.nproc or max(1, visible_gpus())
+        print(f"{args.runs} run(s) each of A and B, alternating, {nproc} process(es) per run")
+        print(f"logs in {args.out}")
         for i in range(1, args.runs + 1):
             for name, side in sides.items():
                 label = f"{name}{i}"
-                cmd = command(side, args.common, nproc, out / label)
-                runs.append(run_once(label, cmd, out / label))
+                cmd = command(side, args.common, nproc, args.out / label)
+                runs.append(run_once(label, cmd, args.out / label, stop))
                 labels.append(label)
     except RunFailed as e:
-        print(f"error: {e}\nlogs kept in {out}", file=sys.stderr)
+        print(f"error: {e}\nlogs kept in {args.out}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"\ninterrupted; logs kept in {out}", file=sys.stderr)
-        return 130
+    except Stopped as e:
+        print(f"{e}; logs kept in {args.out}", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        stop.close()
 
     print()
     print(runs_table(labels, runs))

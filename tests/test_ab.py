@@ -1,31 +1,38 @@
-"""Tests for records/ab.py: the B/A verdict, alternation, the printed numbers, failures, and one
-real A/B of the smoke preset."""
+"""Tests for records/ab.py: the B/A verdict, alternation, whose flags win, the printed numbers,
+failures, stops passed on to the run, and one real A/B of the smoke preset.
+
+    python -m pytest tests/test_ab.py -q
+"""
 
 import math
 import re
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import BACKGROUND
+from helpers import REPO
+from helpers import launch_env
 from helpers import load_records_script
-from processes import launch_env
+from helpers import run_process
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "records" / "ab.py"
+SCRIPT = REPO / "records" / "ab.py"
 
 ab = load_records_script("ab")
 
 # A stand-in trainer that writes a log in the trainer's format in a few milliseconds. Each run
 # appends its --tag to the --order file; the run's number (lines already there) shifts its
-# ms/step, startup and peak memory, so that no two runs print the same figures.
+# ms/step, startup and peak memory, so that no two runs print the same figures. With --stop_with
+# SIG, it sends SIG to ab.py as `kill` would (TERM) or a terminal (INT, HUP: to its process group),
+# then stops as the trainer does on its own stop signal: after its step (half a second), its stop
+# line, its checkpoint, exit code 128 + the signal; then 30 lines more, as torchrun's report of the
+# signal follows its workers' stop lines.
 FAKE_TRAINER = """\
-import argparse, sys, uuid
+import argparse, os, signal, sys, time, uuid
 from pathlib import Path
 
 p = argparse.ArgumentParser()
-for name in ("--tag", "--order", "--log_dir", "--fail"):
+for name in ("--tag", "--order", "--log_dir", "--fail", "--stop_with"):
     p.add_argument(name, default="")
 p.add_argument("--ms", type=float, default=100.0)
 p.add_argument("--num_iterations", type=int, default=20)
@@ -34,9 +41,30 @@ order = Path(a.order)
 k = len(order.read_text().split()) if order.exists() else 0
 with open(order, "a") as f:
     f.write(a.tag + "\\n")
-print("loading data")
+print("loading data", flush=True)
 if a.tag == a.fail:
     sys.exit("boom: out of memory")
+if a.stop_with:
+    received = []
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda signum, frame: received.append(signum))
+    stop = getattr(signal, "SIG" + a.stop_with)
+    if stop == signal.SIGTERM:
+        os.kill(os.getppid(), stop)
+    else:
+        os.killpg(os.getpgid(os.getppid()), stop)
+    deadline = time.monotonic() + 30
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not received:
+        sys.exit("no stop signal came")
+    time.sleep(0.5)
+    Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+    (Path(a.log_dir) / "checkpoint.pt").write_text("state")
+    name = signal.Signals(received[0]).name
+    print(f"stopped by {name} after step 3; resume with: python x --resume y", file=sys.stderr)
+    print("\\n".join(f"  launcher line {i}" for i in range(30)), file=sys.stderr)
+    sys.exit(128 + received[0])
 n = a.num_iterations
 ms = a.ms + 0.37 * k
 lines = ["fake source", "=" * 100, "devices: 1 x cpu", "=" * 100]
@@ -128,7 +156,9 @@ def test_command_lines(tmp_path):
     side = ["train_gpt.py", "--regional_compile", "true"]
     common = ["--num_iterations", "60"]
     one = ab.command(side, common, 1, tmp_path / "A1")
-    assert one == [sys.executable, *side, *common, "--log_dir", str(tmp_path / "A1")]
+    # the side's own flags after those for both: the last of a flag given twice counts
+    assert one == [sys.executable, "train_gpt.py", *common, "--regional_compile", "true",
+                   "--log_dir", str(tmp_path / "A1")]
     eight = ab.command(side, common, 8, tmp_path / "B1")
     assert eight[:6] == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
@@ -177,17 +207,17 @@ def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypa
 def test_a_failing_run_stops_with_a_clear_error(fake, tmp_path):
     order = tmp_path / "order.txt"
     out = tmp_path / "out"
-    proc = subprocess.run(
+    proc = run_process(
         [sys.executable, str(SCRIPT), f"{fake} --tag A", f"{fake} --tag B --fail B",
          "--nproc", "1", "--out", str(out), "--", "--order", str(order)],
-        capture_output=True, text=True, timeout=60, check=False,
+        60, env=launch_env(),
     )
     assert proc.returncode == 1
     # nothing runs after the failure
     assert order.read_text().split() == ["A", "B"]
     first = proc.stderr.splitlines()[0]
     assert first.startswith("error: B1 failed with exit code 1: ")
-    assert f"{fake} --tag B --fail B --order {order} --log_dir {out / 'B1'}" in first
+    assert f"{fake} --order {order} --tag B --fail B --log_dir {out / 'B1'}" in first
     assert "boom: out of memory" in proc.stderr and "loading data" in proc.stderr
     assert f"logs kept in {out}" in proc.stderr and "Traceback" not in proc.stderr
     # the finished run's log stays
@@ -203,39 +233,74 @@ def test_bad_arguments_are_errors_before_any_run(fake, tmp_path, capsys):
     assert "is not empty" in capsys.readouterr().err
 
 
+def test_an_out_that_is_not_a_folder_is_one_line(fake, tmp_path, capsys):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    assert ab.main([str(fake), str(fake), "--nproc", "1", "--out", str(taken)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {taken} is not a folder; give a new --out folder\n"
+    )
+    assert taken.read_text() == "mine"
+
+
+# ------------------------------------------------------------------- whose flags, and stops
+
+
+@pytest.mark.slow
+def test_a_sides_own_flags_win_over_those_for_both(fake, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ab, "visible_gpus", lambda: 0)
+    order = tmp_path / "order.txt"
+    # B abbreviates its flag, as the trainer's options allow: still B's own
+    code = ab.main([f"{fake} --tag A", f"{fake} --ta B", "--runs", "1", "--out",
+                    str(tmp_path / "out"), "--", "--tag", "both", "--order", str(order)])
+    assert code == 0, capsys.readouterr().err
+    assert order.read_text().split() == ["A", "B"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["TERM", "INT", "HUP"])
+def test_a_stop_reaches_the_run_which_stops_itself(fake, tmp_path, name):
+    """SIGTERM to ab.py (kill), SIGINT and SIGHUP to its process group (Ctrl-C, a closed
+    terminal): the run gets the signal once and ab.py waits for it to stop itself, its stop line
+    and checkpoint written, then says so; no run starts after it."""
+    order = tmp_path / "order.txt"
+    out = tmp_path / "out"
+    proc = run_process(
+        [sys.executable, str(SCRIPT), f"{fake} --tag A --stop_with {name}", f"{fake} --tag B",
+         "--nproc", "1", "--out", str(out), "--", "--order", str(order)],
+        60, env=launch_env(),
+    )
+    signum = getattr(signal, f"SIG{name}")
+    assert proc.returncode == 128 + signum, proc.stderr
+    # written half a second after the signal reached it, before it ended
+    assert (out / "A1" / "checkpoint.pt").read_text() == "state"
+    assert order.read_text().split() == ["A"]
+    stop_line = f"stopped by SIG{name} after step 3; resume with: python x --resume y"
+    assert proc.stderr.splitlines()[-1] == (
+        f"stopped by SIG{name} during A1, which ended with exit code {128 + signum}: "
+        f"{stop_line}; logs kept in {out}"
+    )
+    assert stop_line in (out / "A1" / "console.log").read_text().splitlines()
+
+
 # ----------------------------------------------------------------- a real smoke A/B
 
 
-def real_smoke_ab(out):
+@pytest.mark.slow
+def test_real_smoke_ab(tmp_path):
     """One run each of the trainer's smoke preset, shrunk to the fewest steps with a timed one (11:
     timing starts after step 10) of one 128-token block through 6 layers of width 16. B's option is
     one that compiles nothing on a CPU (regional compilation would add seconds of inductor)."""
     small = ["--preset", "smoke", "--num_iterations", "11", "--val_loss_every", "0",
              "--num_layers", "6", "--model_dim", "16", "--num_heads", "1", "--batch_size", "128",
              "--max_device_batch_size", "128", "--val_tokens", "128"]
+    out = tmp_path / "out"
     # one thread: on a shared CPU, more threads than free cores make a run many times slower
-    env = launch_env(OMP_NUM_THREADS="1")
-    return subprocess.run(
+    proc = run_process(
         [sys.executable, str(SCRIPT), "train_gpt.py", "train_gpt.py --fused_head_loss false",
          "--runs", "1", "--nproc", "1", "--out", str(out), "--", *small],
-        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT, env=env,
+        300, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"),
     )
-
-
-def real_smoke_ab_in_background(request):
-    """Started at session start (the test's mark); gives the out folder and the finished process."""
-    tmp = request.getfixturevalue("tmp_path_factory")
-
-    def run():
-        out = tmp.mktemp("real_ab") / "out"
-        return out, real_smoke_ab(out)
-    return BACKGROUND.once("real_smoke_ab", run)
-
-
-@pytest.mark.slow
-@pytest.mark.background.with_args(real_smoke_ab_in_background)
-def test_real_smoke_ab(request):
-    out, proc = real_smoke_ab_in_background(request).result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = rows_of(proc.stdout)
     assert list(rows) == ["A1", "B1"]

@@ -1,24 +1,33 @@
-"""Tests for records/compare.py: log parsing, the t-test, the report and the plot."""
+"""Tests for records/compare.py and the log reader it shares with ab.py (records/runlog.py): log
+parsing, which runs count, the t-tests against SciPy computed here, the report and the plot.
 
+    python -m pytest tests/test_compare.py -q
+"""
+
+import builtins
+import errno
+import io
 import math
 import os
 import re
+import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import BACKGROUND
 from helpers import LN_VOCAB
+from helpers import REPO
+from helpers import launch_env
 from helpers import load_records_script
-from helpers import smoke_marked
-from processes import launch_env
-from processes import run_process
+from helpers import run_process
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "records" / "compare.py"
+SCRIPT = REPO / "records" / "compare.py"
 
 compare = load_records_script("compare")
+# the module compare.py imported (a second copy would have other exception classes)
+runlog = compare.runlog
 
 SUMMARY = re.compile(
     r"^n=(\d+) mean=(\d+\.\d{4}) std=(\d+\.\d{4}) t=(-?\d+\.\d{2}) "
@@ -226,7 +235,7 @@ def test_two_runs_in_one_file_are_refused(tmp_path):
     b = make_log(tmp_path / "b.txt", curve(3.3, planned=50), 50).read_text()
     both = tmp_path / "both.txt"
     both.write_text(a + b.split("=" * 100 + "\n")[-1])
-    with pytest.raises(compare.LogError, match="not one run"):
+    with pytest.raises(runlog.LogError, match="not one run"):
         compare.parse_log(both)
 
 
@@ -254,7 +263,7 @@ def test_unusable_logs_raise_with_a_reason(tmp_path):
         empty: "not a log",
     }
     for path, reason in expected.items():
-        with pytest.raises(compare.LogError, match=re.escape(reason)):
+        with pytest.raises(runlog.LogError, match=re.escape(reason)):
             compare.parse_log(path)
 
 
@@ -383,7 +392,7 @@ def test_report_has_rows_shared_steps_and_summary_last(tmp_path, capsys):
 def test_shared_steps_are_the_intersection(tmp_path):
     a = compare.parse_log(make_log(tmp_path / "a.txt", curve(3.28, 40, every=10), 40))
     b = compare.parse_log(make_log(tmp_path / "b.txt", curve(3.27, 40, every=20), 40))
-    table = compare.shared_steps_table([a, b])
+    table = compare.shared_steps_table([a, b], ["1", "2"])
     assert [line.split()[0] for line in table.splitlines()[2:]] == ["0", "20", "40"]
 
 
@@ -398,7 +407,8 @@ def test_target_option_changes_the_test(tmp_path, capsys):
 
 
 def test_equal_losses_give_a_note_and_a_summary(tmp_path, capsys):
-    logs = [make_log(tmp_path / f"r{i}.txt", curve(3.27), 40) for i in range(2)]
+    logs = [make_log(tmp_path / f"r{i}.txt", curve(3.27), 40, ms_per_step=100 + i)
+            for i in range(2)]
     _, out, _ = run_main(capsys, *logs)
     lines = out.strip().splitlines()
     assert "std 0" in lines[-2]
@@ -421,27 +431,18 @@ def test_nothing_usable_is_an_error_not_a_traceback(tmp_path, capsys):
     assert code == 1 and "junk.txt: not a log" in err and "Traceback" not in err
 
 
-def compare_script(request):
-    """On the background queue: records/compare.py run as a script on a folder of two finished logs
-    and an unreadable file; gives the folder and the finished process."""
-    folder = request.getfixturevalue("tmp_path_factory").mktemp("compare_script")
-    for i, final in enumerate([3.27, 3.275]):
-        make_log(folder / f"r{i}.txt", curve(final), 40)
-    (folder / "broken.txt").write_bytes(b"\xff\xfe garbage")
-    command = [sys.executable, str(SCRIPT), str(folder)]
-    return BACKGROUND.once("compare_script", run_process, command, 60, env=launch_env())
-
-
 @pytest.mark.slow
-@pytest.mark.background.with_args(compare_script)
-def test_command_line_script(request):
-    """A process, so slow: on the background queue, beside the in-process tests."""
-    proc = compare_script(request).result()
-    folder = Path(proc.args[-1])
+def test_command_line_script(tmp_path):
+    """records/compare.py run as a script on a folder of two finished logs and one that is not a
+    log: no traceback, the test as the last line."""
+    for i, final in enumerate([3.27, 3.275]):
+        make_log(tmp_path / f"r{i}.txt", curve(final), 40)
+    (tmp_path / "broken.txt").write_bytes(b"\xff\xfe garbage")
+    proc = run_process([sys.executable, str(SCRIPT), str(tmp_path)], 60, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     assert "broken.txt" in proc.stderr and "Traceback" not in proc.stderr
     assert SUMMARY.match(proc.stdout.strip().splitlines()[-1])
-    assert all(str(folder / f"r{i}.txt") in proc.stdout for i in range(2))
+    assert all(str(tmp_path / f"r{i}.txt") in proc.stdout for i in range(2))
 
 
 # -------------------------------------------------------------------------------- plot
@@ -530,7 +531,6 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@smoke_marked(("short", 1), ("short", 2), ("full",))
 def test_smoke_run_logs(smoke_logs, capsys):
     """Logs written by real smoke runs of the trainer parse and compare."""
     assert len(smoke_logs) >= 2
@@ -556,7 +556,7 @@ def test_smoke_run_logs(smoke_logs, capsys):
 
 def test_committed_gpu_logs_are_read():
     """Every log under records/ parses; the one-H100 A/B pair reads as its README's figures say."""
-    logs = sorted((ROOT / "records").glob("*/*.txt"))
+    logs = sorted((REPO / "records").glob("*/*.txt"))
     assert logs, "records/ holds at least the one-H100 runs"
     runs = {log.name: compare.parse_log(log) for log in logs}
     plain = runs["ab-16384-defaults.txt"]
@@ -601,9 +601,15 @@ def welch_reference(a, b):
     return diff, diff - half, diff + half, df, test.statistic, test.pvalue
 
 
+def run_id(i):
+    """A new run id, as the trainer names its log (<run id>.txt), that sorts as the i-th."""
+    return f"{i:08x}{str(uuid.uuid4())[8:]}"
+
+
 def group_logs(folder, finals, planned=40, **kwargs):
+    """A log per final val loss, each named by a run id of its own as the trainer names them."""
     return [
-        make_log(folder / f"run{i}.txt", curve(final, planned), planned, **kwargs)
+        make_log(folder / f"{run_id(i)}.txt", curve(final, planned), planned, **kwargs)
         for i, final in enumerate(finals)
     ]
 
@@ -622,7 +628,7 @@ def group_logs(folder, finals, planned=40, **kwargs):
 def test_b_against_a_is_welchs_test_with_its_interval(tmp_path, capsys, a, b):
     group_logs(tmp_path / "a", a)
     group_logs(tmp_path / "b", b)
-    code, out, err = run_main(capsys, tmp_path / "a", "--vs", str(tmp_path / "b" / "run*.txt"))
+    code, out, err = run_main(capsys, tmp_path / "a", "--vs", str(tmp_path / "b" / "*.txt"))
     assert code == 0, err
     lines = out.strip().splitlines()
     m = WELCH_LINE.match(lines[-1])
@@ -696,7 +702,8 @@ def test_a_log_in_both_groups_is_refused(tmp_path, capsys):
     code, out, err = run_main(capsys, *logs, "--vs", logs[1])
     assert code == 1 and out == ""
     assert err.strip().splitlines() == [
-        f"error: {logs[1]} is in both groups; give each log to one group"
+        f"error: {logs[1]} in A and {logs[1]} in B are the same run (the same file); give each "
+        "run to one group"
     ]
 
 
@@ -715,6 +722,45 @@ def test_groups_validated_on_different_data_are_refused(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
     assert err.startswith("error: no test of B against A: they are validated on different data")
     assert "val_files fineweb_val_*.bin / enwiki_val_*.bin" in err
+
+
+def test_vs_names_an_option_that_only_one_groups_trainer_has(tmp_path, capsys):
+    # a fork that adds --mlp_ratio: its logs have a line the original's lack
+    group_logs(tmp_path / "a", [3.2801, 3.2795])
+    group_logs(tmp_path / "b", [3.2781, 3.2779], options={"mlp_ratio": "2"})
+    code, out, _ = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    assert code == 0
+    assert "A and B differ in: mlp_ratio (no such option) / 2\n" in out
+
+
+def test_vs_names_every_setting_that_differs(tmp_path, capsys):
+    changed = {f"option_{i}": str(i) for i in range(12)}
+    group_logs(tmp_path / "a", [3.2801, 3.2795], options={"seed": "0", "compile": "auto"})
+    group_logs(tmp_path / "b", [3.2781, 3.2779], options={"seed": "0", "compile": "false",
+                                                          **changed})
+    code, out, _ = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    (line,) = [line for line in out.splitlines() if line.startswith("A and B differ in: ")]
+    named = line.removeprefix("A and B differ in: ").split(", ")
+    # how it ran (compile) is a difference too, where it is one; the seed is not
+    only_b = [f"{name} (no such option) / {value}" for name, value in changed.items()]
+    assert code == 0 and named == ["compile auto / false", *only_b]
+
+
+def test_runs_of_a_trainer_with_an_option_more_are_not_pooled(tmp_path, capsys):
+    first = make_log(tmp_path / "a.txt", curve(3.28), 40)
+    second = make_log(tmp_path / "b.txt", curve(3.27), 40, options={"mlp_ratio": "2"})
+    code, out, err = run_main(capsys, first, second)
+    assert code == 1 and not SUMMARY.search(out)
+    difference = "mlp_ratio (no such option) / 2"
+    assert err.startswith(f"error: no t-test: runs 1 and 2 differ in {difference},")
+
+
+def test_public_logs_without_options_are_compared_by_steps_and_devices(tmp_path, capsys):
+    group_logs(tmp_path / "a", [3.2801, 3.2795], public=True)
+    group_logs(tmp_path / "b", [3.2781, 3.2779], options={"mlp_ratio": "2"})
+    code, out, _ = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    # the public records' logs say nothing of options: none is named as differing
+    assert code == 0 and "A and B differ in" not in out
 
 
 # ------------------------------------------------------- configurations, divergence, stops
@@ -782,7 +828,7 @@ def test_a_run_diverged_midway_is_named_as_diverged(tmp_path):
         last_line="error: val loss is nan at step 10: training diverged, most likely ...",
     )
     with pytest.raises(
-        compare.LogError, match=re.escape("diverged (val loss nan at step 10 of 40)")
+        runlog.LogError, match=re.escape("diverged (val loss nan at step 10 of 40)")
     ):
         compare.parse_log(log)
 
@@ -809,7 +855,7 @@ def test_two_runs_of_the_same_plan_in_one_file_are_refused(tmp_path):
     a = make_log(tmp_path / "a.txt", curve(3.3), 40).read_text()
     both = tmp_path / "both.txt"
     both.write_text(a + a.split("=" * 100 + "\n")[-1])
-    with pytest.raises(compare.LogError, match="not one run .step lines go back from step 40 to 0"):
+    with pytest.raises(runlog.LogError, match="not one run .step lines go back from step 40 to 0"):
         compare.parse_log(both)
 
 
@@ -818,7 +864,7 @@ def test_train_time_going_back_after_timing_started_is_refused(tmp_path):
     log.write_text(
         log.read_text().replace("step:25/40 train_time:1500ms", "step:25/40 train_time:900ms")
     )
-    with pytest.raises(compare.LogError, match="train_time goes back from 1400ms at step 24"):
+    with pytest.raises(runlog.LogError, match="train_time goes back from 1400ms at step 24"):
         compare.parse_log(log)
 
 
@@ -831,16 +877,158 @@ def test_train_time_going_back_after_timing_started_is_refused(tmp_path):
 )
 def test_odd_step_lines_are_refused(tmp_path, bad):
     log = make_log(tmp_path / "a.txt", curve(3.3), 40, last_line=bad)
-    with pytest.raises(compare.LogError, match="odd step line"):
+    with pytest.raises(runlog.LogError, match="odd step line"):
         compare.parse_log(log)
 
 
-def test_a_named_pipe_is_not_read(tmp_path, capsys):
-    fifo = tmp_path / "pipe.txt"
+# ------------------------------------------------- every path is read or refused, never passed over
+
+
+def deny(monkeypatch, *paths):
+    """os.scandir and open refuse these paths with EACCES, as the kernel refuses another user's
+    folder or file (chmod does not stop root, who may run these tests)."""
+    denied = {os.fspath(path) for path in paths}
+    real_scandir = os.scandir
+    real_open = io.open
+
+    def refused(path):
+        return PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+
+    def scandir(path="."):
+        if os.fspath(path) in denied:
+            raise refused(path)
+        return real_scandir(path)
+
+    def open_file(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) in denied:
+            raise refused(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(io, "open", open_file)
+    monkeypatch.setattr(builtins, "open", open_file)
+
+
+def test_a_folder_that_cannot_be_listed_is_an_error_not_a_gap(tmp_path, capsys, monkeypatch):
+    # the two worst runs in a folder that cannot be listed would leave the test looking good
+    group_logs(tmp_path / "logs", [3.2790, 3.2795])
+    group_logs(tmp_path / "logs" / "locked", [3.2850, 3.2860])
+    deny(monkeypatch, tmp_path / "logs" / "locked")
+    code, out, err = run_main(capsys, tmp_path / "logs")
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"error: {tmp_path / 'logs' / 'locked'} cannot be listed (Permission denied): make it "
+        "readable, or leave it out"
+    ]
+
+
+def test_a_glob_through_a_folder_that_cannot_be_listed_is_an_error(tmp_path, capsys, monkeypatch):
+    group_logs(tmp_path / "logs" / "open", [3.2790, 3.2795])
+    group_logs(tmp_path / "logs" / "locked", [3.2850, 3.2860])
+    deny(monkeypatch, tmp_path / "logs" / "locked")
+    code, out, err = run_main(capsys, str(tmp_path / "logs" / "*" / "*.txt"))
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"error: {tmp_path / 'logs' / 'locked'} cannot be listed (Permission denied): make it "
+        "readable, or leave it out"
+    ]
+
+
+def test_a_log_that_cannot_be_read_is_an_error_not_skipped(tmp_path, capsys, monkeypatch):
+    logs = group_logs(tmp_path, [3.2790, 3.2795, 3.2850])
+    deny(monkeypatch, logs[2])
+    code, out, err = run_main(capsys, tmp_path)
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"error: {logs[2]} cannot be read (Permission denied): make it readable, or leave it out"
+    ]
+
+
+def test_a_pipe_or_a_device_is_refused_unopened(tmp_path, capsys):
+    logs = group_logs(tmp_path / "logs", [3.2790, 3.2795])
+    # named, and found in a folder: opening a pipe would wait for a writer that never comes
+    fifo = tmp_path / "logs" / "pipe.txt"
     os.mkfifo(fifo)
-    log = make_log(tmp_path / "a.txt", curve(3.3), 40)
-    code, out, err = run_main(capsys, log, fifo)
-    assert code == 0 and f"skipped {fifo}: not a regular file" in err
+    code, out, err = run_main(capsys, *logs, fifo, "/dev/null")
+    assert code == 1 and out == ""
+    how = "is a pipe or a device, not a file: it is not read; give a file, or leave it out"
+    assert err.splitlines() == [f"error: {fifo} {how}", f"error: /dev/null {how}"]
+    code, out, err = run_main(capsys, tmp_path / "logs")
+    assert code == 1 and err.splitlines() == [f"error: {fifo} {how}"]
+
+
+# ----------------------------------------------------------------------- each run counts once
+
+
+def test_a_copy_of_a_log_counts_once(tmp_path, capsys):
+    logs = group_logs(tmp_path / "logs", [3.2790, 3.2801, 3.2785])
+    # records/README.md's way to add a record: the logs copied as the trainer wrote them
+    kept = tmp_path / "records" / "2026-01-01_try"
+    kept.mkdir(parents=True)
+    shutil.copy(logs[0], kept)
+    # and one renamed: known by its step lines
+    shutil.copy(logs[1], kept / "best.txt")
+    code, out, err = run_main(capsys, tmp_path / "logs", tmp_path / "records")
+    assert code == 0
+    assert err.splitlines() == [
+        f"skipped {kept / logs[0].name}: the same run as {logs[0]} (a copy); counted once",
+        f"skipped {kept / 'best.txt'}: the same run as {logs[1]} (a copy); counted once",
+    ]
+    from scipy import stats
+    test = stats.ttest_1samp([3.2790, 3.2801, 3.2785], 3.28, alternative="less")
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"n=3 mean=3.2792 std=0.0008 t={test.statistic:.2f} ")
+
+
+def resumed_copy(log, path, checkpoint, step_avg="99.99"):
+    """The log of a run resumed from `checkpoint` at its last step, which only validates: its
+    header, its note, the last val line again (with another step_avg, as the trainer prints it)."""
+    text = log.read_text()
+    header, steps = text.split("step:0/", 1)
+    last_val = [line for line in steps.splitlines() if " val_loss:" in line][-1]
+    last_val = re.sub(r"step_avg:\S+ms", f"step_avg:{step_avg}ms", last_val)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    step = last_val.split("/")[1].split()[0]
+    path.write_text(f"{header}resumed from {checkpoint} at step {step}\n{last_val}\n"
+                    "peak memory consumption: 20000 MiB\n")
+    return path
+
+
+def test_a_resumed_run_that_only_validates_counts_once(tmp_path, capsys):
+    logs = group_logs(tmp_path / "logs", [3.2790, 3.2801, 3.2785])
+    # resumed from the run's own checkpoint folder (logs/<run id>/), and from one moved away
+    checkpoint = tmp_path / "logs" / logs[0].stem / "state_step000040.pt"
+    again = resumed_copy(logs[0], tmp_path / "later" / f"{run_id(7)}.txt", checkpoint)
+    moved = resumed_copy(logs[1], tmp_path / "later" / f"{run_id(8)}.txt", tmp_path / "x.pt")
+    code, out, err = run_main(capsys, tmp_path / "logs", tmp_path / "later")
+    assert code == 0
+    how = "(resumed from its checkpoint at step 40); counted once"
+    assert err.splitlines() == [
+        f"skipped {again}: the same run as {logs[0]} {how}",
+        f"skipped {moved}: the same run as {logs[1]} {how}",
+    ]
+    assert out.strip().splitlines()[-1].startswith("n=3 mean=3.2792 ")
+
+
+def test_the_same_runs_as_a_and_b_refuse_the_test(tmp_path, capsys):
+    logs = group_logs(tmp_path / "a", [3.2790, 3.2801, 3.2785])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    code, out, err = run_main(capsys, tmp_path / "a", "--vs", tmp_path / "b")
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"error: {logs[0]} in A and {tmp_path / 'b' / logs[0].name} in B are the same run (a "
+        "copy); give each run to one group"
+    ]
+
+
+def test_two_runs_with_equal_lines_are_two_runs(tmp_path, capsys):
+    # two deterministic runs too short to be timed log the same lines: their ids tell them apart
+    one = make_log(tmp_path / f"{run_id(0)}.txt", curve(3.27), 40)
+    other = tmp_path / f"{run_id(1)}.txt"
+    shutil.copy(one, other)
+    code, out, err = run_main(capsys, one, other)
+    assert code == 0 and err == ""
+    assert out.strip().splitlines()[-1].startswith("n=2 ")
 
 
 # ------------------------------------------------------------------------ plot: time axis
