@@ -1,7 +1,8 @@
 """What the evaluation tools share: the start-up, a checkpoint's model built from the source of the
 script that wrote it, the tokenizer, the errors. Nothing of the trainer is imported here: a
 checkpoint carries its trainer's source, which is imported under a name of its own (trainer_ and
-its sha256), and the trainer's --hellaswag hands over its own model."""
+its sha256), and the trainer's --hellaswag hands over its own model. A checkpoint is read as tensors
+and plain data only (weights_only=True), so unpickling it runs nothing."""
 import argparse
 import contextlib
 import hashlib
@@ -9,6 +10,8 @@ import importlib.util
 import json
 import linecache
 import os
+import pickle
+import re
 import signal
 import stat
 import sys
@@ -98,21 +101,39 @@ def trainer_from_source(source):
 
 def read_checkpoint(path):
     """A checkpoint's entries, its tensors mapped from the file, not read (only the weights are
-    needed, not the optimiser states beside them)."""
+    needed, not the optimiser states beside them). Tensors and plain data only: an object whose
+    unpickling would call a function is refused, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says."""
     regular_file(path)
     try:
         # the zip's CRCs catch a flipped byte in the weights, which torch.load misses
         if damaged := zipfile.ZipFile(path).testzip():
             raise ValueError(f"{damaged} fails its CRC check")
-        checkpoint = torch.load(path, map_location="cpu", mmap=True)
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if not {"model", "args"} <= checkpoint.keys():
             raise KeyError(f"no {'model' if 'model' not in checkpoint else 'args'} in it")
     except OSError as e:
         raise EvalError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except pickle.UnpicklingError as e:
+        raise EvalError(not_data(path, e)) from None
     except Exception as e:
         raise EvalError(f"{path}: not a checkpoint written by train_gpt.py, or a corrupt or "
                         f"truncated one ({type(e).__name__}: {first_line(e)})") from None
     return checkpoint
+
+
+def not_data(path, error):
+    """The line for a checkpoint that torch's weights-only unpickler refused (or whose pickle is
+    damaged)."""
+    refused = re.search(r"WeightsUnpickler error: ([^\n]*)", str(error))
+    if not refused:
+        return (f"{path}: not a checkpoint written by train_gpt.py, or a corrupt or truncated one "
+                f"(UnpicklingError: {first_line(error)})")
+    # "Unsupported global: GLOBAL builtins.exec was not an allowed global by default. ..."
+    what = refused.group(1).split(" was not ")[0].split(". ")[0]
+    return (f"{path}: refused: unpickling it could run code, as it holds more than tensors and "
+            f"plain data ({what}), which no checkpoint of train_gpt.py does. Get the file again "
+            "from whoever made it; if you made it and trust it, load it with torch.load(..., "
+            "weights_only=False) and save its tensors and plain data")
 
 
 def first_line(error):
