@@ -1,17 +1,27 @@
-"""Checkpoints are data: every torch.load in evals/ and records/ reads tensors and plain data only,
-whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says, and a checkpoint the trainer wrote is nothing else.
-The object planted here appends a line to a file when it is unpickled: the file's existence is the
-proof it ran.
+"""Checkpoints are data. evals/hellaswag.py and evals/sample.py build a checkpoint's model from the
+trainer source it carries only when that source is a file the user has (the script that wrote it,
+unchanged; a .py file of this repository; the --trainer FILE given); otherwise they stop in one line
+before any of it runs, or run it after a warning with --trust_checkpoint_code. --show_source prints
+how it differs from train_gpt.py and runs nothing. Every torch.load reads tensors and plain data
+only, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says. The code planted here appends a line to a
+file when it runs: the file's lines count the processes that ran it.
 
     python -m pytest tests/test_checkpoint_code.py -q
 """
+import ast
+import base64
+import hashlib
 import importlib.util
 import json
+import os
+import sys
 
 import pytest
 import tiktoken
 import torch
 from helpers import REPO
+from helpers import launch_env
+from helpers import run_process
 
 import train_gpt
 from evals import common
@@ -28,9 +38,22 @@ EXAMPLE = json.dumps(dict(ctx="A man", endings=["sat.", "ran."], label=0)) + "\n
 TOOLS = ["hellaswag", "sample"]
 
 
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
 def planted(marker):
     """Two lines of Python that append `ran` to marker when they run."""
     return f"import pathlib\npathlib.Path({str(marker)!r}).open('a').write('ran\\n')\n"
+
+
+def with_lines(source, lines, at_end):
+    """source (bytes) with lines added after its docstring, or at its end."""
+    if at_end:
+        return source + lines.encode()
+    docstring_end = ast.parse(source).body[0].end_lineno
+    kept = source.decode().splitlines(keepends=True)
+    return "".join(kept[:docstring_end] + [lines] + kept[docstring_end:]).encode()
 
 
 def save(path, entries, **changed):
@@ -67,6 +90,16 @@ def stand_in_tokenizer(monkeypatch):
                         lambda tokenizer_file=None: STAND_IN)
 
 
+@pytest.fixture(autouse=True)
+def no_trainer_imported_yet(monkeypatch):
+    """Each test imports the sources it gives afresh (the tools import each source once per
+    process); the trainer modules imported before it are put back after it, so that other tests'
+    models and the modules their classes name stay one."""
+    monkeypatch.setattr(common, "TRAINERS", {})
+    for name in [name for name in sys.modules if name.startswith("trainer_")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
 @pytest.fixture
 def data(tmp_path):
     path = tmp_path / "val.jsonl"
@@ -87,6 +120,151 @@ def one_error_line(capsys):
     assert out == "" and len(err.splitlines()) == 1, (out, err)
     assert err.startswith("error: ") and "Traceback" not in err
     return err.strip()
+
+
+def built_by_line(err, path, source):
+    """The line of stderr, neither a warning nor an error, that names path and source's sha256
+    prefix: the script that built the model."""
+    lines = [line for line in err.splitlines()
+             if str(path) in line and sha256(source)[:12] in line
+             and not line.startswith(("warning: ", "error: "))]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# --- a source that is no file you have ------------------------------------------------------------
+
+@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("how", ["after the docstring", "at the end", "stale source_sha256",
+                                 "recorded script changed"])
+def test_a_source_you_do_not_have_is_refused_before_any_of_it_runs(entries, data, tmp_path,
+                                                                   capsys, tool, how):
+    marker = tmp_path / "ran.txt"
+    source = with_lines(entries["source"], planted(marker), at_end=how != "after the docstring")
+    changed = dict(source=source, source_sha256=sha256(source))
+    if how == "stale source_sha256":
+        # names the honest source
+        changed["source_sha256"] = entries["source_sha256"]
+    if how == "recorded script changed":
+        # this repository's train_gpt.py, whose bytes are not the source's
+        changed["script"] = os.path.realpath(REPO / "train_gpt.py")
+    checkpoint = save(tmp_path / "state.pt", entries, **changed)
+    assert run_tool(tool, checkpoint, data) == 1
+    line = one_error_line(capsys)
+    # the two planted lines are the difference from train_gpt.py
+    assert sha256(source) in line and " 2 lines " in line
+    assert "--trainer FILE" in line and "--trust_checkpoint_code" in line
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_trust_checkpoint_code_runs_it_after_one_warning(entries, data, tmp_path, capsys, tool):
+    marker = tmp_path / "ran.txt"
+    source = with_lines(entries["source"], planted(marker), at_end=False)
+    checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source))
+    assert run_tool(tool, checkpoint, data, "--trust_checkpoint_code") == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and sha256(source) in warnings[0], err
+    assert marker.read_text() == "ran\n"
+
+
+def test_show_source_prints_the_difference_and_runs_nothing(entries, tmp_path, capsys):
+    marker = tmp_path / "ran.txt"
+    lines = planted(marker)
+    source = with_lines(entries["source"], lines, at_end=False)
+    checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source))
+    # no --data: HellaSwag is not read either
+    for main in (hellaswag.main, sample.main):
+        assert main([str(checkpoint), "--show_source"]) == 0
+        diff = capsys.readouterr().out.splitlines()
+        assert diff[0].startswith("--- ") and diff[1].startswith("+++ ")
+        changes = [line for line in diff[2:] if line[:1] in ("+", "-")]
+        assert changes == ["+" + line for line in lines.splitlines()]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("main", [hellaswag.main, sample.main])
+def test_help_documents_the_options_that_choose_the_code(main, capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "--trainer FILE" in out and "--trust_checkpoint_code" in out and "--show_source" in out
+
+
+# --- sources you have -----------------------------------------------------------------------------
+
+def test_a_fork_outside_the_repository_runs_from_its_script_and_once_moved_with_trainer(
+        entries, data, tmp_path, capsys, monkeypatch):
+    marker = tmp_path / "fork_ran.txt"
+    fork = tmp_path / "fork" / "my_attempt.py"
+    fork.parent.mkdir()
+    # the fork's idea: a note that its code built the model
+    source = with_lines(entries["source"], planted(marker), at_end=True)
+    fork.write_bytes(source)
+    checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source),
+                      script=os.path.realpath(fork))
+    for tool in TOOLS:
+        monkeypatch.setattr(common, "TRAINERS", {})
+        assert run_tool(tool, checkpoint, data) == 0
+        err = capsys.readouterr().err
+        assert "warning:" not in err and "error:" not in err
+        built_by_line(err, os.path.realpath(fork), source)
+    assert marker.read_text() == "ran\n" * 2
+    moved = tmp_path / "elsewhere" / "my_attempt.py"
+    moved.parent.mkdir()
+    fork.rename(moved)
+    for tool in TOOLS:
+        monkeypatch.setattr(common, "TRAINERS", {})
+        assert run_tool(tool, checkpoint, data) == 1
+        assert sha256(source) in one_error_line(capsys)
+    assert marker.read_text() == "ran\n" * 2
+    for tool in TOOLS:
+        monkeypatch.setattr(common, "TRAINERS", {})
+        assert run_tool(tool, checkpoint, data, "--trainer", str(moved)) == 0
+        err = capsys.readouterr().err
+        assert "warning:" not in err and "error:" not in err
+        built_by_line(err, os.path.realpath(moved), source)
+    assert marker.read_text() == "ran\n" * 4
+
+
+def test_trainer_builds_the_model_from_that_file_and_warns_when_it_differs(entries, data,
+                                                                            tmp_path, capsys):
+    marker = tmp_path / "ran.txt"
+    source = with_lines(entries["source"], planted(marker), at_end=False)
+    checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source))
+    mine = tmp_path / "mine" / "train_gpt.py"
+    mine.parent.mkdir()
+    mine.write_bytes(entries["source"])
+    assert run_tool("sample", checkpoint, data, "--trainer", str(mine)) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and sha256(entries["source"])[:12] in warnings[0], err
+    assert sha256(source)[:12] in warnings[0]
+    built_by_line(err, os.path.realpath(mine), entries["source"])
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_this_repository_trainer_needs_no_flag_wherever_it_was_written(
+        entries, data, tmp_path, capsys):
+    # written on another machine, by the same train_gpt.py
+    checkpoint = save(tmp_path / "state.pt", entries, script="/elsewhere/nanogpt/train_gpt.py")
+    assert run_tool("hellaswag", checkpoint, data) == 0
+    err = capsys.readouterr().err
+    assert "warning:" not in err and "error:" not in err
+    built_by_line(err, os.path.realpath(REPO / "train_gpt.py"), entries["source"])
+
+
+def test_a_checkpoint_without_source_is_scored_by_this_repository_trainer_after_a_warning(
+        entries, data, tmp_path, capsys):
+    old = {name: value for name, value in entries.items() if not name.startswith("source")}
+    checkpoint = save(tmp_path / "state.pt", old)
+    assert run_tool("hellaswag", checkpoint, data) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "carries no trainer source" in warnings[0], err
+    repository_trainer = REPO / "train_gpt.py"
+    built_by_line(err, os.path.realpath(repository_trainer), repository_trainer.read_bytes())
 
 
 # --- pickles: data only ---------------------------------------------------------------------------
@@ -151,3 +329,51 @@ def test_a_pickle_payload_is_not_run_by_profile_runs_resume_read(pickle_payload)
     # the options it reads before the trainer runs (which reports a bad checkpoint itself)
     profile_run.trainer_options(["--resume", str(checkpoint)])
     assert not marker.exists()
+
+
+# --- under torchrun -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ranks_file(tmp_path_factory):
+    """STAND_IN as a tiktoken ranks file, for --tokenizer in processes of their own."""
+    path = tmp_path_factory.mktemp("ranks") / "stand_in.tiktoken"
+    lines = [f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(TOKENS)]
+    path.write_text("".join(lines))
+    return path
+
+
+def torchrun(tool, checkpoint, data, ranks_file, cwd, *options):
+    """The tool on 2 processes under torchrun: the finished process."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(REPO / "evals" / f"{tool}.py"), str(checkpoint), "--tokenizer", str(ranks_file),
+               *options]
+    if tool == "hellaswag":
+        command += ["--data", str(data)]
+    return run_process(command, 300, env=launch_env(OMP_NUM_THREADS="1"), cwd=cwd)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", TOOLS)
+def test_two_processes_refuse_it_before_any_of_it_runs(entries, data, ranks_file, tmp_path, tool):
+    marker = tmp_path / "ran.txt"
+    source = with_lines(entries["source"], planted(marker), at_end=False)
+    checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source))
+    result = torchrun(tool, checkpoint, data, ranks_file, tmp_path)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all(sha256(source) in line and "--trust_checkpoint_code" in line
+                          for line in errors), result.stderr[-3000:]
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_two_processes_run_it_with_trust_checkpoint_code(entries, data, ranks_file, tmp_path):
+    marker = tmp_path / "ran.txt"
+    source = with_lines(entries["source"], planted(marker), at_end=False)
+    checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source))
+    result = torchrun("hellaswag", checkpoint, data, ranks_file, tmp_path,
+                      "--trust_checkpoint_code")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1].startswith("hellaswag: acc_norm=")
+    # each process ran it
+    assert marker.read_text() == "ran\n" * 2
