@@ -1,14 +1,22 @@
-"""What the evaluation tools share: the start-up, a checkpoint's model built from the source of the
-script that wrote it, the tokenizer, the errors. Nothing of the trainer is imported here: a
-checkpoint carries its trainer's source, which is imported under a name of its own (trainer_ and
-its sha256), and the trainer's --hellaswag hands over its own model."""
+"""What the evaluation tools share: the start-up, the code that builds a checkpoint's model, the
+tokenizer, the errors. Nothing of the trainer is imported here: a checkpoint carries the source of
+the script that wrote it, and its model is built from that source, imported under a name of its own
+(trainer_ and its sha256), only when it is a file the user has: the script the checkpoint records as
+its writer, still there with the same bytes; a .py file of this repository; or the file given as
+--trainer (the model is then built from that file). Anything else stops the tool before any of it
+runs, unless --trust_checkpoint_code. A checkpoint is read as tensors and plain data only
+(weights_only=True), so unpickling it runs nothing. The trainer's --hellaswag hands over its own
+model."""
 import argparse
 import contextlib
+import difflib
 import hashlib
 import importlib.util
 import json
 import linecache
 import os
+import pickle
+import re
 import signal
 import stat
 import sys
@@ -73,7 +81,7 @@ def trainer_from_source(source):
     """The module a trainer's source (bytes) defines, imported under the name trainer_<sha256
     prefix> from a private temp file (a real file: the trainer reads its own at import, and Triton
     reads its kernels' source), removed once imported; its lines stay known to tracebacks."""
-    digest = hashlib.sha256(source).hexdigest()
+    digest = sha256(source)
     if digest in TRAINERS:
         return TRAINERS[digest]
     name = f"trainer_{digest[:16]}"
@@ -96,72 +104,301 @@ def trainer_from_source(source):
     return module
 
 
+def add_code_options(parser):
+    """The options that choose the code that builds a checkpoint's model, a group of their own in
+    --help."""
+    group = parser.add_argument_group(
+        "the code that builds the model",
+        "A checkpoint carries the source of the script that wrote it, which would run as code. The "
+        "model is built from it only when it is a file you have: the script the checkpoint records "
+        "as its writer, unchanged, or a .py file of this repository. Otherwise the tool stops, "
+        "before any of it runs, and says how it differs from this repository's train_gpt.py.")
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument("--trainer", metavar="FILE",
+                        help="build the model with FILE, your copy of the trainer (a fork whose "
+                        "script has moved, say); a warning says when it is not the source the "
+                        "checkpoint carries")
+    choice.add_argument("--trust_checkpoint_code", action="store_true",
+                        help="run the source the checkpoint carries although no file you have "
+                        "holds it: only for checkpoints of people you trust")
+    group.add_argument("--show_source", action="store_true",
+                       help="print how the source the checkpoint carries differs from this "
+                       "repository's train_gpt.py (a unified diff) and exit, running none of it")
+
+
 def read_checkpoint(path):
     """A checkpoint's entries, its tensors mapped from the file, not read (only the weights are
-    needed, not the optimiser states beside them)."""
+    needed, not the optimiser states beside them). Tensors and plain data only: an object whose
+    unpickling would call a function is refused, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says."""
     regular_file(path)
     try:
         # the zip's CRCs catch a flipped byte in the weights, which torch.load misses
         if damaged := zipfile.ZipFile(path).testzip():
             raise ValueError(f"{damaged} fails its CRC check")
-        checkpoint = torch.load(path, map_location="cpu", mmap=True)
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if not {"model", "args"} <= checkpoint.keys():
             raise KeyError(f"no {'model' if 'model' not in checkpoint else 'args'} in it")
     except OSError as e:
         raise EvalError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except pickle.UnpicklingError as e:
+        raise EvalError(not_data(path, e)) from None
     except Exception as e:
         raise EvalError(f"{path}: not a checkpoint written by train_gpt.py, or a corrupt or "
                         f"truncated one ({type(e).__name__}: {first_line(e)})") from None
     return checkpoint
 
 
+def not_data(path, error):
+    """The line for a checkpoint that torch's weights-only unpickler refused (or whose pickle is
+    damaged)."""
+    refused = re.search(r"WeightsUnpickler error: ([^\n]*)", str(error))
+    if not refused:
+        return (f"{path}: not a checkpoint written by train_gpt.py, or a corrupt or truncated one "
+                f"(UnpicklingError: {first_line(error)})")
+    # "Unsupported global: GLOBAL builtins.exec was not an allowed global by default. ..."
+    what = refused.group(1).split(" was not ")[0].split(". ")[0]
+    return (f"{path}: refused: unpickling it could run code, as it holds more than tensors and "
+            f"plain data ({what}), which no checkpoint of train_gpt.py does. Get the file again "
+            "from whoever made it; if you made it and trust it, load it with torch.load(..., "
+            "weights_only=False) and save its tensors and plain data")
+
+
 def first_line(error):
     return (str(error).splitlines() or [""])[0]
 
 
-def open_checkpoint(path):
-    """(the trainer module that wrote the checkpoint, its entries): the module is built from the
-    source the checkpoint carries, whatever the script's name or folder was. A checkpoint written
-    before checkpoints carried it gets this repository's train_gpt.py, with a warning."""
-    checkpoint = read_checkpoint(path)
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+# the hex digits of a sha256 that name a source in the tools' lines
+SHORT_SHA = 12
+
+
+def carried_source(checkpoint, path):
+    """The trainer source the checkpoint carries, as bytes; None when it carries none (written
+    before checkpoints did)."""
     source = checkpoint.get("source")
+    if isinstance(source, str):
+        source = source.encode()
+    if source is not None and not isinstance(source, bytes):
+        raise EvalError(f"{path}: its source is a {type(source).__name__}, not a script's text: "
+                        "not a checkpoint written by train_gpt.py")
+    return source
+
+
+def recorded_script(checkpoint):
+    """The path of the script that wrote the checkpoint, as it records it; None when it records
+    none (older checkpoints)."""
+    script = checkpoint.get("script")
+    if isinstance(script, str):
+        return script
+    return None
+
+
+def holds(path, source):
+    """Whether path is a regular file whose bytes are source. Its size is compared first: a device
+    or a named pipe is never opened, a large file never read."""
+    try:
+        status = os.stat(path)
+        if not stat.S_ISREG(status.st_mode) or status.st_size != len(source):
+            return False
+        return Path(path).read_bytes() == source
+    # a path with a NUL byte in it is a ValueError
+    except (OSError, ValueError):
+        return False
+
+
+def repository_file_holding(source):
+    """A .py file of this repository (outside its hidden folders) whose bytes are source, or
+    None."""
+    for folder, subfolders, names in os.walk(REPO):
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+        for name in sorted(names):
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and holds(path, source):
+                return path
+    return None
+
+
+def unified_diff(old, new, old_name, new_name):
+    """The unified diff from old to new (bytes), as lines, each ending in a newline."""
+    def lines(source):
+        return source.decode("utf-8", errors="replace").splitlines(keepends=True)
+    diff = difflib.unified_diff(lines(old), lines(new), old_name, new_name)
+    ended = []
+    for line in diff:
+        if not line.endswith("\n"):
+            line += "\n"
+        ended.append(line)
+    return ended
+
+
+def changed_lines(diff):
+    """(added, removed): the lines a unified diff adds and removes."""
+    hunks = [line for line in diff[2:] if not line.startswith("@@")]
+    added = sum(line.startswith("+") for line in hunks)
+    removed = sum(line.startswith("-") for line in hunks)
+    return added, removed
+
+
+def in_lines(count):
+    """count lines, in words."""
+    if count == 1:
+        return "1 line"
+    return f"{count} lines"
+
+
+def against_repository_trainer(source):
+    """In words: how source differs from this repository's train_gpt.py."""
+    try:
+        ours = REPOSITORY_TRAINER.read_bytes()
+    except OSError as e:
+        return f"this repository's train_gpt.py cannot be read to compare ({e.strerror})"
+    if source == ours:
+        return "it is this repository's train_gpt.py, byte for byte"
+    added, removed = changed_lines(unified_diff(ours, source, "train_gpt.py", "source"))
+    return (f"{in_lines(added + removed)} differ from this repository's train_gpt.py ({added} "
+            f"added, {removed} removed)")
+
+
+def read_trainer_file(trainer_file):
+    """The bytes of --trainer FILE."""
+    regular_file(trainer_file, "--trainer")
+    try:
+        return Path(trainer_file).read_bytes()
+    except OSError as e:
+        raise EvalError(f"--trainer {trainer_file}: cannot read it ({e.strerror})") from None
+
+
+def trainer_code(path, checkpoint, trainer_file=None, trust=False):
+    """(the source that builds the checkpoint's model, the line that says whose it is): the file
+    --trainer names; else this repository's train_gpt.py for a checkpoint that carries no source,
+    after a warning; else the source it carries when it is a file the user has (the script it
+    records, unchanged, or a .py file of this repository), or with trust after a warning. Anything
+    else is an EvalError, raised before any of the source runs."""
+    source = carried_source(checkpoint, path)
+    if trainer_file:
+        code = read_trainer_file(trainer_file)
+        if source is not None and code != source:
+            warn(f"warning: --trainer {trainer_file} (sha256 {sha256(code)[:SHORT_SHA]}) is not "
+                 f"the source {path} carries (sha256 {sha256(source)[:SHORT_SHA]}): the model is "
+                 f"built by {trainer_file}, with the checkpoint's weights")
+        return code, built_by(trainer_file, code, "given as --trainer")
     if source is None:
         warn(f"warning: {path} carries no trainer source (written before checkpoints did): "
              f"scored as {REPOSITORY_TRAINER.name} of this repository, which may not be the model "
              "that wrote it")
         try:
-            source = REPOSITORY_TRAINER.read_bytes()
+            code = REPOSITORY_TRAINER.read_bytes()
         except OSError as e:
             raise EvalError(f"{REPOSITORY_TRAINER}: cannot read it ({e.strerror})") from None
-    if isinstance(source, str):
-        source = source.encode()
+        return code, built_by(REPOSITORY_TRAINER, code, "this repository's")
+    script = recorded_script(checkpoint)
+    if script is not None and holds(script, source):
+        return source, built_by(script, source, "the script that wrote the checkpoint")
+    local = repository_file_holding(source)
+    if local is not None:
+        return source, built_by(local, source, "a file of this repository")
+    if trust:
+        warn(f"warning: {path}: running the trainer source it carries (sha256 {sha256(source)}), "
+             f"which is no file you have, as --trust_checkpoint_code asks; "
+             f"{against_repository_trainer(source)}")
+        return source, (f"model: built by the source {path} carries (sha256 "
+                        f"{sha256(source)[:SHORT_SHA]}), trusted")
+    raise EvalError(refusal(path, source, script))
+
+
+def built_by(script, source, why):
+    """The line that names the script that built the model."""
+    digest = sha256(source)[:SHORT_SHA]
+    return f"model: built by {os.path.realpath(script)} (sha256 {digest}), {why}"
+
+
+def refusal(path, source, script):
+    """The line for a checkpoint whose source is no file the user has."""
+    if script is None:
+        writer = "it records no script as its writer"
+    elif os.path.isfile(script):
+        writer = f"the script that wrote it, {script}, has other bytes now"
+    else:
+        writer = f"the script that wrote it, {script}, is not there"
+    return (f"{path}: the trainer source it carries (sha256 {sha256(source)}) is no file you "
+            f"have ({writer}, and no .py file of this repository holds it); "
+            f"{against_repository_trainer(source)} (--show_source prints them). It would run as "
+            "code: pass --trainer FILE to build the model with your own copy of the trainer, or "
+            "--trust_checkpoint_code to run the source it carries if you trust who made it")
+
+
+def open_checkpoint(path, trainer_file=None, trust=False):
+    """(the trainer module that builds the checkpoint's model, its entries, the line that names
+    that trainer's script): the module is imported from the source trainer_code gives, only once
+    that source is known to be the user's choice."""
+    checkpoint = read_checkpoint(path)
+    source, line = trainer_code(path, checkpoint, trainer_file, trust)
     try:
         trainer = trainer_from_source(source)
     except Exception as e:
-        raise EvalError(f"{path}: the trainer source it carries fails to import "
+        origin = line.removeprefix("model: built by ")
+        raise EvalError(f"{path}: its trainer ({origin}) fails to import "
                         f"({type(e).__name__}: {first_line(e)})") from None
-    return trainer, checkpoint
+    return trainer, checkpoint, line
 
 
-def build_model(trainer, checkpoint, path, device):
-    """The checkpoint's model, built by its trainer, in eval mode on device, and the run's options
-    (those the trainer no longer has left out)."""
+def show_source(path):
+    """--show_source: how the source the checkpoint carries differs from this repository's
+    train_gpt.py, a unified diff on stdout (a line on stderr says how much); none of it runs."""
+    checkpoint = read_checkpoint(path)
+    source = carried_source(checkpoint, path)
+    if source is None:
+        raise EvalError(f"{path} carries no trainer source (written before checkpoints did): its "
+                        f"model would be built by this repository's {REPOSITORY_TRAINER.name}")
+    try:
+        ours = REPOSITORY_TRAINER.read_bytes()
+    except OSError as e:
+        raise EvalError(f"{REPOSITORY_TRAINER}: cannot read it ({e.strerror})") from None
+    name = recorded_script(checkpoint) or f"the source {path} carries"
+    diff = unified_diff(ours, source, "train_gpt.py", name)
+    warn(f"{path}: the trainer source it carries (sha256 {sha256(source)}): "
+         f"{against_repository_trainer(source)}")
+    if speaks():
+        sys.stdout.write("".join(diff))
+        sys.stdout.flush()
+    return 0
+
+
+def run_options(trainer, checkpoint, path):
+    """The run's options, as its trainer's Hyperparameters (those the trainer no longer has left
+    out)."""
     try:
         known = {f.name for f in fields(trainer.Hyperparameters)}
         saved = checkpoint["args"]
-        args = trainer.Hyperparameters(**{k: v for k, v in saved.items() if k in known})
+        return trainer.Hyperparameters(**{k: v for k, v in saved.items() if k in known})
+    except Exception as e:
+        raise EvalError(f"{path}: its options do not fit its trainer's "
+                        f"({type(e).__name__}: {first_line(e)})") from None
+
+
+def build_model(trainer, checkpoint, path, device, line=None):
+    """The checkpoint's model, built by its trainer, in eval mode on device, and the run's options;
+    then line (which script built it) on stderr."""
+    args = run_options(trainer, checkpoint, path)
+    try:
         model = trainer.GPT.from_args(args, device)
         model.load_state_dict(checkpoint["model"])
     except Exception as e:
         raise EvalError(f"{path}: its weights do not fit the model its trainer builds "
                         f"({type(e).__name__}: {first_line(e)})") from None
+    if line:
+        warn(line)
     return model.to(device).eval(), args
 
 
-def load_model(path, device):
+def load_model(path, device, trainer_file=None, trust=False):
     """The model of a checkpoint that train_gpt.py (or a copy of it) wrote, in eval mode on device,
-    and the run's options."""
-    trainer, checkpoint = open_checkpoint(path)
+    and the run's options; trainer_file and trust as the tools' --trainer and
+    --trust_checkpoint_code."""
+    trainer, checkpoint, _ = open_checkpoint(path, trainer_file, trust)
     return build_model(trainer, checkpoint, path, device)
 
 

@@ -21,10 +21,12 @@ it, so that a bad download is an error, not a wrong score. --data FILE reads a l
 file in HellaSwag's format (ctx, endings, label; other fields are ignored). The last line printed
 is `hellaswag: acc_norm=... acc=... n=...`; the line before it says how long the scoring took.
 
-The model is the checkpoint's own: built by the trainer whose source the checkpoint carries (see
-evals/common.py), whose end-of-text id and block size the scoring uses. The trainer's --hellaswag
-hands over its own model and options instead (ForTrainer), and its log embeds this file's
-source and common.py's after its own.
+The model is the checkpoint's own: built by the trainer whose source the checkpoint carries, when
+that source is a file the user has, or by --trainer FILE (see evals/common.py: anything else
+stops before any of it runs, unless --trust_checkpoint_code; --show_source prints it against
+train_gpt.py); the scoring uses that trainer's end-of-text id and block size. The trainer's
+--hellaswag hands over its own model and options instead (ForTrainer), and its log embeds this
+file's source and common.py's after its own.
 """
 import copy
 import hashlib
@@ -428,7 +430,10 @@ def run(argv):
     parser.add_argument("--sequence_length", type=int, default=SEQUENCE_LENGTH,
                         help="tokens per forward, a multiple of the model's block size, 128; fewer "
                         "take less GPU memory (default: %(default)s)")
+    common.add_code_options(parser)
     args = parser.parse_args(argv)
+    if args.show_source:
+        return common.show_source(args.checkpoint)
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be at least 1, got {args.limit}")
     if args.sequence_length < 1:
@@ -437,12 +442,13 @@ def run(argv):
     # the data first: it is quicker to check than a checkpoint is to load
     examples = read(args.data, args.limit)
     tokenizer = common.encoding(args.tokenizer)
-    trainer, checkpoint = common.open_checkpoint(args.checkpoint)
+    trainer, checkpoint, built_by = common.open_checkpoint(
+        args.checkpoint, args.trainer, args.trust_checkpoint_code)
     rank, world_size, device = common.start_processes(trainer)
     if args.sequence_length % trainer.BLOCK_SIZE:
         raise EvalError(f"--sequence_length must be a positive multiple of the model's block "
                         f"size, {trainer.BLOCK_SIZE}, got {args.sequence_length}")
-    model, options = common.build_model(trainer, checkpoint, args.checkpoint, device)
+    model, options = common.build_model(trainer, checkpoint, args.checkpoint, device, built_by)
     rendered = render(examples, tokenizer, trainer.EOT)
     labels = [label for _, _, label in examples]
     window_blocks = common.trained_window_blocks(options)

@@ -16,7 +16,9 @@ batch (greedy: N equal ones). Only the tokenizer's ids are drawn, never the rows
 to a multiple of 128. The document stays within the attention window the run ended its training
 with. stdout gets the prompt and its continuation, decoded, nothing stripped, and nothing else;
 with several samples, each one so, after a line `--- sample i of N`. The model is the checkpoint's
-own, built by the trainer whose source it carries (see evals/common.py), with that trainer's
+own, built by the trainer whose source it carries when that source is a file the user has, or by
+--trainer FILE (see evals/common.py: anything else stops before any of it runs, unless
+--trust_checkpoint_code; --show_source prints it against train_gpt.py), with that trainer's
 end-of-text id, block size and KV cache.
 """
 import copy
@@ -97,7 +99,10 @@ def run(argv):
                         help="continuations drawn in one batch (default: %(default)s)")
     parser.add_argument("--tokenizer", help="a tiktoken ranks file of GPT-2's BPE, for offline "
                         "use (default: tiktoken's own, downloaded once)")
+    common.add_code_options(parser)
     args = parser.parse_args(argv)
+    if args.show_source:
+        return common.show_source(args.checkpoint)
     for name in ("max_new_tokens", "top_k"):
         if getattr(args, name) < 0:
             raise EvalError(f"--{name} must be at least 0, got {getattr(args, name)}")
@@ -110,12 +115,14 @@ def run(argv):
     if not 0 <= args.seed < 2 ** 64:
         raise EvalError(f"--seed must be from 0 to 2**64 - 1, got {args.seed}")
     tokenizer = common.encoding(args.tokenizer)
-    trainer, checkpoint = common.open_checkpoint(args.checkpoint)
+    trainer, checkpoint, built_by = common.open_checkpoint(
+        args.checkpoint, args.trainer, args.trust_checkpoint_code)
     rank, world_size, device = common.start_processes(trainer)
     if world_size > 1:
         raise EvalError("sample.py runs in one process: python evals/sample.py ...")
-    model, options = common.build_model(trainer, checkpoint, args.checkpoint, device)
     prompt = tokenizer.encode_ordinary(args.prompt)
+    # checked before the model is built
+    options = common.run_options(trainer, checkpoint, args.checkpoint)
     window_blocks = common.trained_window_blocks(options)
     window = window_blocks * trainer.BLOCK_SIZE
     if 1 + len(prompt) + args.max_new_tokens > window:
@@ -123,6 +130,7 @@ def run(argv):
                         f"{args.max_new_tokens} exceed the model's attention window of {window} "
                         "tokens (the one it ended its training with): give a shorter prompt or "
                         "fewer new tokens")
+    model, _ = common.build_model(trainer, checkpoint, args.checkpoint, device, built_by)
     generator = torch.Generator(device).manual_seed(args.seed)
     # fp32, as generate_batch needs it: converted here rather than copied there
     model.float()

@@ -54,8 +54,10 @@ def trainer_options(trainer_argv: list[str]) -> train_gpt.Hyperparameters:
     if args.resume:
         # a bad checkpoint is the trainer's to report
         with contextlib.suppress(Exception):
-            # mmap: the options without reading the tensors
-            saved = torch.load(args.resume, map_location="cpu", mmap=True)["args"]
+            # mmap: the options without reading the tensors; tensors and plain data only, so
+            # that unpickling it runs nothing
+            state = torch.load(args.resume, map_location="cpu", mmap=True, weights_only=True)
+            saved = state["args"]
             args = train_gpt.parse_args(trainer_argv, resumed=saved)
     return args
 

@@ -13,6 +13,7 @@ import ast
 import copy
 import importlib.util
 import json
+import os
 import random
 import sys
 import textwrap
@@ -89,6 +90,11 @@ def fork(markov_shards, tmp_path_factory):
                "--save_checkpoint", "true", "--log_dir", str(folder / "logs")]
     assert module.main(options) == 0
     (checkpoint,) = (folder / "logs").glob("*/state_step000004.pt")
+    # the script that wrote it, recorded as trainers that record it do: the fork's own, in place
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    if "script" not in state:
+        state["script"] = os.path.realpath(folder / "my_attempt.py")
+        torch.save(state, checkpoint)
     return module, checkpoint
 
 
