@@ -1223,7 +1223,9 @@ def prepare_shards(args, split, num_tokens):
     path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
     make_writable_folder(path.parent, "--log_dir")
     try:
-        stream = markov_stream(num_tokens, [args.seed, int(split == "train")], args.seed)
+        # one chain; the train documents drawn by the seed, the val ones the same for every seed
+        seed = [args.seed, 1] if split == "train" else [0, 0]
+        stream = markov_stream(num_tokens, seed, chain_seed=0)
         with atomic_write(path) as tmp:
             write_data_shard(tmp, stream)
     except (OSError, MemoryError) as e:

@@ -2,6 +2,8 @@
 read back, rank slices that tile the stream, shard order, wrap-around, no re-read of the shard in
 memory, exactly the batches the data budget counts, damaged shards named, and the synthetic Markov
 stream."""
+import glob
+
 import numpy as np
 import pytest
 import torch
@@ -121,3 +123,29 @@ def test_synthetic_stream_is_seeded_documents_of_a_four_successor_chain():
     assert max(len(s) for s in successors.values()) <= 4 and max(successors) < 256
     # and not fewer: the chain is that random
     assert np.mean([len(s) for s in successors.values()]) > 3
+
+
+def successors(tokens):
+    """Each token's successors in a stream (across documents' boundaries left out)."""
+    pairs = {}
+    for a, b in zip(tokens[:-1].tolist(), tokens[1:].tolist()):
+        if a != 50256 and b != 50256:
+            pairs.setdefault(a, set()).add(b)
+    return pairs
+
+
+def test_the_synthetic_val_stream_is_the_same_for_every_seed_and_the_train_chain_too(tmp_path):
+    """Runs of two seeds are scored on the same val text, and each trains on that text's chain."""
+    shards = {}
+    for seed in (0, 7):
+        args = train_gpt.parse_args(["--preset", "smoke", "--seed", str(seed),
+                                     "--log_dir", str(tmp_path)])
+        shards[seed] = [load_data_shard(glob.glob(train_gpt.prepare_shards(args, split, 20_000))[0])
+                        for split in ("train", "val")]
+    (train_0, val_0), (train_7, val_7) = shards[0], shards[7]
+    assert torch.equal(val_0, val_7) and not torch.equal(train_0, train_7)
+    # one chain: chain seed 0's table of 4 successors per token (markov_stream's definition)
+    table = np.random.default_rng(0).integers(0, 256, size=(256, 4))
+    for stream in (val_0, train_0, train_7):
+        for token, nexts in successors(stream.numpy()).items():
+            assert nexts <= set(table[token].tolist()), token
