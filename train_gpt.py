@@ -170,6 +170,8 @@ class Hyperparameters:
     save_checkpoint: bool = option(False)  # at the end
     checkpoint_every: int = option(0, AT_LEAST_0)  # every N steps (0: never)
     resume: str = option("")  # a checkpoint to go on from; its options become the defaults
+    # resume a checkpoint another script wrote (a fork, another version), the log says so
+    accept_other_script: bool = option(False)
 
     # compile and kernels; auto: on CUDA only (FlexAttention has no CPU backward)
     compile: str = option("auto", AUTO)
@@ -831,6 +833,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -1240,10 +1243,23 @@ def fetch_hint(num_iterations, batch_size):
     shards = f"{needed + 1}` (this run reads {needed} train shards)" if needed > 1 else "1`"
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
 
+def listed(pattern):
+    """glob.glob's matches, sorted; a folder on the glob's way that cannot be listed is one line
+    naming it (glob passes over it without a word)."""
+    folder = os.path.dirname(pattern)
+    for path in listed(folder) if glob.has_magic(folder) else [folder or "."]:
+        try:
+            if os.path.isdir(path):
+                os.scandir(path).close()
+        except OSError as e:
+            raise UserError(f"{path}: cannot list this folder ({e.strerror}): its shards would be "
+                            "left out; make it readable, or narrow --train_files/--val_files")
+    return sorted(glob.glob(pattern))
+
 def shard_files(pattern, hint):
     """The shards a glob matches, in order; none is one line (a [ or ? in it is named: a folder
     `run[1]` is matched by the class [1], "1")."""
-    files = sorted(glob.glob(pattern))
+    files = listed(pattern)
     if files:
         return files
     escaped = re.sub(r"([\[?])", r"[\1]", pattern)
@@ -1255,14 +1271,16 @@ def shard_files(pattern, hint):
     raise UserError(f"no data shard matches {pattern!r}: {advice}")
 
 def shard_facts(path, expected=None):
-    """A shard's tokens (header checked), size, change time and inode; one line for a file that is
-    not a regular readable one, or (expected: the facts at start-up) one that changed since."""
+    """A shard's tokens (header checked), size, modification and change times and inode; one line
+    for a file that is not a regular readable one, or (expected: its facts at start-up) one that
+    changed since (its change time moves with any write, and its bytes rewritten in place too)."""
     since = "" if expected is None else " since the run started"
     try:
         info = os.stat(path)
         if not os.path.isfile(path):
             raise IsADirectoryError(0, "a folder, a pipe or a device, not a token shard")
-        facts = (read_shard_header(path), info.st_size, info.st_mtime_ns, info.st_ino)
+        facts = (read_shard_header(path), info.st_size, info.st_mtime_ns, info.st_ctime_ns,
+                 info.st_ino)
     except OSError as e:
         raise UserError(f"{path}: cannot read this shard{since} ({e.strerror}): narrow "
                         "--train_files or --val_files to readable shards, or restore it") from None
@@ -1441,7 +1459,7 @@ class RunLog(contextlib.AbstractContextManager):
             self("".join(traceback.format_exception(kind, error, trace)).rstrip(), console=False)
         self.close()
 
-    def header(self, args, world_size, device, loaders, passes, cache_note):
+    def header(self, args, world_size, device, loaders, passes, notes):
         """Versions, GPUs, options and shards into the log; the data line on the console too."""
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         lines = [f"Running Python {sys.version}",
@@ -1465,8 +1483,8 @@ class RunLog(contextlib.AbstractContextManager):
         self(f"data: {source}train {args.train_files}, val {args.val_files}; "
              f"{args.num_iterations * args.batch_size:,} train tokens read, "
              f"{passes:.2f} passes over the train shards")
-        if args.compile_cache:
-            self(f"compile cache {args.compile_cache}: {cache_note}")
+        for note in notes:
+            self(note)
         if self.removed:
             self(f"removed {len(self.removed)} temp files of interrupted writes: "
                  f"{', '.join(self.removed)}")
@@ -1696,26 +1714,50 @@ def train_shards(args, files=None, facts=None):
     counts = [(facts[path] if facts else shard_facts(path))[0] for path in files]
     return [f"{os.path.basename(path)}:{n}" for path, n in zip(files, counts)]
 
+# the rules of options that name files or folders
+PATH_RULES = {SHARDS, FOLDER, FILE, NOT_A_FOLDER}
+
 def load_checkpoint(argv, path):
-    """A checkpoint, and its options overridden by those given on the command line (if allowed)."""
-    # the zip's CRCs catch a flipped byte in tensor data, which torch.load misses
+    """A checkpoint read as data (tensors and plain values: nothing in it runs) and its options,
+    those given on the command line over them where allowed; written by this script, unless
+    --accept_other_script. The path options it brings (not given again) are kept in `taken_over`."""
+    where = f"--resume {path!r}"
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise IsADirectoryError(0, "a folder, a pipe or a device, not a checkpoint file")
+        # the zip's CRCs catch a flipped byte in tensor data, which torch.load misses
         damaged = zipfile.ZipFile(path).testzip()
         if damaged:
             raise ValueError(f"{damaged} fails its CRC check")
-        checkpoint = torch.load(path, map_location="cpu")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         saved = checkpoint["args"]
         saved_shards = checkpoint["train_shards"]
+    except OSError as e:
+        raise UserError(f"{where}: cannot read it ({e.strerror}): give a checkpoint file (a run "
+                        "keeps its last two)") from None
     except Exception as e:
+        if "Weights only load failed" in str(e):
+            raise UserError(f"{where}: refused: unpickling it could run code (it holds more than "
+                            "tensors and plain data, as no checkpoint of this trainer does): "
+                            "resume from a checkpoint this trainer wrote") from None
         problem = f"{type(e).__name__}: {e}"
-        raise UserError(f"--resume {path!r} is not a checkpoint, or a corrupt or truncated one "
+        raise UserError(f"{where} is not a checkpoint, or a corrupt or truncated one "
                         f"({problem}): give another (a run keeps its last two)") from None
-    args = parse_args(argv, resumed=saved)
+    # the acceptance of another script is this run's to give, never taken over
+    args = parse_args(argv, resumed=dict(saved, accept_other_script=False))
+    script = os.path.basename(checkpoint.get("script", "another script"))
+    writer = f"{script} (sha256 {str(checkpoint.get('source_sha256'))[:12]})"
+    this_script = f"{os.path.basename(__file__)} (sha256 {SOURCE_SHA256[:12]})"
+    other_script = checkpoint.get("source_sha256") != SOURCE_SHA256
+    if other_script and not args.accept_other_script:
+        raise UserError(f"{where} was written by {writer}, not by this script, {this_script}: "
+                        "resume with the script that wrote it, or pass --accept_other_script true "
+                        "to go on with this one (the log records it)")
     options = asdict(args)
-    changed = [name for name in options if options[name] != saved.get(name) and name != "resume"]
-    # the fixed options (option()): the model, the data position and the schedules depend on them
-    fixed = [name for name, facts in option_facts().items() if facts["fixed"]]
-    refused = [f"--{n} {saved.get(n)} -> {getattr(args, n)}" for n in changed if n in fixed]
+    changed = [name for name in options if options[name] != saved.get(name)
+               and name not in ("resume", "accept_other_script")]
+    facts = option_facts()
+    refused = [f"--{n} {saved.get(n)} -> {getattr(args, n)}" for n in changed if facts[n]["fixed"]]
     shards = train_shards(args)
     if shards != saved_shards:
         refused.append(f"train shards (name:tokens) {saved_shards[:3]} -> {shards[:3]}")
@@ -1723,10 +1765,16 @@ def load_checkpoint(argv, path):
         raise UserError(f"--resume {path!r}: {', '.join(refused)} would change the model, the data "
                         "position or the schedules: leave these options as the checkpoint has them")
     note = f"resumed from {path} at step {checkpoint['step']}"
+    if other_script:
+        note += f", written by {writer}: another script, accepted (--accept_other_script)"
     if changed:
         changes = ", ".join(f"--{n} {saved.get(n)!r} -> {getattr(args, n)!r}" for n in changed)
         note += f"; options changed: {changes}"
-    return args, dict(checkpoint, note=note)
+    # files and folders named by the checkpoint's options, where the command line names none
+    given = parse_args(argv)
+    paths = [name for name in options if PATH_RULES & set(facts[name]["rules"])]
+    taken_over = [f"--{n} {getattr(args, n)!r}" for n in paths if options[n] != getattr(given, n)]
+    return args, dict(checkpoint, note=note, taken_over=taken_over)
 
 def optimizer_states(checkpoint, model, optimizers):
     """The checkpoint's state of each optimiser, in torch's format; from a checkpoint of the earlier
@@ -1797,7 +1845,12 @@ class Run(contextlib.AbstractContextManager):
         sizes = {path: facts[0] for path, facts in self.facts.items()}
         passes = check_data(args, *(loader.files for loader in loaders), sizes, val_batch, hint)
         self.stamp = compile_cache_stamp(args, self.world_size, self.device)
-        cache_note = load_compile_cache(args.compile_cache, self.stamp, self.compiled)
+        notes = []
+        if args.compile_cache:
+            cache_note = load_compile_cache(args.compile_cache, self.stamp, self.compiled)
+            notes.append(f"compile cache {args.compile_cache}: {cache_note}")
+        if self.checkpoint and self.checkpoint["taken_over"]:
+            notes.append(f"from the checkpoint: {', '.join(self.checkpoint['taken_over'])}")
         if self.world_size > 1:
             start_process_group(self.device)
         with contextlib.ExitStack() as stack:
@@ -1805,7 +1858,7 @@ class Run(contextlib.AbstractContextManager):
             stack.enter_context(out_of_memory_as_error(micro_batch))
             self.stop = stack.enter_context(CleanStop(self.world_size, self.log))
             self.group = self.stop.group
-            self.log.header(args, self.world_size, self.device, loaders, passes, cache_note)
+            self.log.header(args, self.world_size, self.device, loaders, passes, notes)
             self.exits = stack.pop_all()
         return self
 
@@ -1868,17 +1921,19 @@ class Run(contextlib.AbstractContextManager):
         timing = (0.0, 0)
         checkpoint = self.checkpoint
         if checkpoint is not None:
-            model.load_state_dict(checkpoint.pop("model"))
-            states = optimizer_states(checkpoint, model, optimizers)
-            for optimizer, state in zip(optimizers, states):
-                # the checkpoint's state, this run's settings (its learning rates, ...)
-                settings = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]
-                optimizer.load_state_dict(dict(state, param_groups=settings))
+            try:
+                model.load_state_dict(checkpoint.pop("model"))
+                states = optimizer_states(checkpoint, model, optimizers)
+                for optimizer, state in zip(optimizers, states):
+                    # the checkpoint's state, this run's settings (its learning rates, ...)
+                    settings = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]
+                    optimizer.load_state_dict(dict(state, param_groups=settings))
+            except (RuntimeError, ValueError, KeyError, IndexError) as e:
+                raise UserError(f"--resume {self.args.resume!r}: its weights and optimiser states "
+                                f"do not fit this model ({' '.join(str(e).split())[:300]}): "
+                                "resume with the script and options that wrote it") from None
             self.train_loader.reset(*checkpoint["loader"])
             self.log(checkpoint["note"])
-            if checkpoint["source_sha256"] != SOURCE_SHA256:
-                self.log("warning: resumed by another train_gpt.py than the one that wrote the "
-                         "checkpoint")
             self.start = checkpoint["step"]
             timing = checkpoint["timing"]
         self.clock = TrainClock(self.device, self.start, *timing)

@@ -47,6 +47,18 @@ def smoke_logs(smoke_runs):
     return [smoke_runs.short(1), smoke_runs.short(2), smoke_runs.full()]
 
 
+@pytest.fixture
+def no_hang():
+    """A test that would block (opening a pipe, say) fails after 60 s instead."""
+    def timed_out(signum, frame):
+        raise TimeoutError("the run blocked")
+    previous = signal.signal(signal.SIGALRM, timed_out)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
 def stop_as_on_ctrl_c(signum, frame):
     """SIGTERM (from `timeout`, say) ends the session as Ctrl-C does: through its teardown, which
     kills the processes the tests started."""

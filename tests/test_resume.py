@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from launch_worker import outcome
 from launch_worker import reference_run
 
 import train_gpt
+
+# this file's digest, as a checkpoint of it records it
+SOURCE_SHA256 = hashlib.sha256(SOURCE.encode()).hexdigest()
 
 # real runs of the trainer, every test
 pytestmark = pytest.mark.slow
@@ -192,39 +196,50 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
     assert losses[8] < expected[4] - 0.5
 
 
-def test_a_changed_source_is_a_warning_and_changed_options_are_named(reference, tmp_path):
-    """The final checkpoint, as if written by another version of the script: resumed, it only
-    validates."""
+def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_accepted(
+        reference, tmp_path, capsys):
+    """The final checkpoint, as a fork would have written it: refused in one line naming both
+    scripts; with --accept_other_script, resumed (it only validates), the log saying so and naming
+    the files and folders the checkpoint's options bring."""
     expected, checkpoints = reference
-    state = torch.load(checkpoints[-1])
-    assert (
-        state["step"] == 8 and state["source_sha256"] == hashlib.sha256(SOURCE.encode()).hexdigest()
-    )
-    torch.save(dict(state, source_sha256="0" * 64), tmp_path / "forked.pt")
-    assert (
-        train_gpt.main(
-            [
-                "--resume",
-                str(tmp_path / "forked.pt"),
-                "--log_dir",
-                str(tmp_path / "logs"),
-                "--val_loss_every",
-                "4",
-            ]
-        )
-        == 0
-    )
+    state = torch.load(checkpoints[-1], weights_only=True)
+    assert state["step"] == 8 and state["source_sha256"] == SOURCE_SHA256
+    forked = tmp_path / "forked.pt"
+    torch.save(dict(state, source_sha256="0" * 64, script="/elsewhere/my_attempt.py"), forked)
+    argv = ["--resume", str(forked), "--log_dir", str(tmp_path / "logs"), "--val_loss_every", "4"]
+    assert train_gpt.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: --resume {str(forked)!r} was written by my_attempt.py (sha256 "
+                   f"000000000000), not by this script, train_gpt.py (sha256 "
+                   f"{SOURCE_SHA256[:12]}): resume with the script that wrote it, or pass "
+                   "--accept_other_script true to go on with this one (the log records it)\n")
+    assert not (tmp_path / "logs").exists()
+    assert train_gpt.main([*argv, "--accept_other_script", "true"]) == 0
     log = finished_log(tmp_path / "logs")
     lines = log.read_text().splitlines()
-    assert (
-        f"resumed from {tmp_path / 'forked.pt'} at step 8; options changed: "
-        "--val_loss_every 2 -> 4, "
-        f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines
-    )
-    assert (
-        "warning: resumed by another train_gpt.py than the one that wrote the checkpoint" in lines
-    )
+    assert (f"resumed from {forked} at step 8, written by my_attempt.py (sha256 000000000000): "
+            "another script, accepted (--accept_other_script); options changed: "
+            "--val_loss_every 2 -> 4, "
+            f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines)
+    train, val = state["args"]["train_files"], state["args"]["val_files"]
+    assert f"from the checkpoint: --train_files {train!r}, --val_files {val!r}" in lines
+    assert "  accept_other_script = True" in lines
     assert val_losses(log) == {8: expected[8]}
+
+
+def test_weights_that_do_not_fit_the_model_are_one_line(reference, tmp_path, capsys):
+    """A fork's checkpoint whose MLP is twice as wide (--mlp_ratio 8, say): one line, nothing
+    written."""
+    state = torch.load(reference[1][-1], weights_only=True)
+    model = dict(state["model"])
+    model["blocks.0.mlp.fc.weight"] = torch.zeros(128, 16)
+    torch.save(dict(state, model=model), tmp_path / "wide.pt")
+    argv = ["--resume", str(tmp_path / "wide.pt"), "--log_dir", str(tmp_path / "logs")]
+    assert train_gpt.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --resume {str(tmp_path / 'wide.pt')!r}: its weights and "
+                          "optimiser states do not fit this model (") and err.count("\n") == 1
+    assert "size mismatch for blocks.0.mlp.fc.weight" in err and "Traceback" not in err
 
 
 def flipped_byte(path, tmp_path):
@@ -239,6 +254,37 @@ def flipped_byte(path, tmp_path):
 def truncated(path, tmp_path):
     (tmp_path / "truncated.pt").write_bytes(path.read_bytes()[:-1000])
     return tmp_path / "truncated.pt"
+
+
+def named_pipe(path, tmp_path):
+    os.mkfifo(tmp_path / "pipe.pt")
+    return tmp_path / "pipe.pt"
+
+
+class WritesAFile:
+    """Unpickled, it writes the file `payload_ran` in the working directory."""
+
+    def __reduce__(self):
+        return (Path("payload_ran").write_text, ("ran",))
+
+
+def pickle_payload(path, tmp_path):
+    """The checkpoint with an object whose unpickling runs code (writes a file)."""
+    state = torch.load(path, weights_only=True)
+    torch.save(dict(state, payload=WritesAFile()), tmp_path / "payload.pt")
+    return tmp_path / "payload.pt"
+
+
+def test_a_pickle_payload_runs_not_even_with_torchs_escape_set(reference, tmp_path, capsys,
+                                                               monkeypatch):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (torch's escape for old files, often set globally) does
+    not reopen unpickling: the payload never runs."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    path = pickle_payload(reference[1][0], tmp_path)
+    assert train_gpt.main(["--resume", str(path), "--log_dir", str(tmp_path / "logs")]) == 1
+    assert "refused: unpickling it could run code" in capsys.readouterr().err
+    assert not (tmp_path / "payload_ran").exists()
 
 
 def other_dict(path, tmp_path):
@@ -266,19 +312,19 @@ def other_dict(path, tmp_path):
         ),
         (flipped_byte, [], " fails its CRC check)"),
         (truncated, [], "(BadZipFile: File is not a zip file)"),
-        (lambda path, tmp_path: tmp_path / "missing.pt", [], "(FileNotFoundError: "),
-        (
-            lambda path, tmp_path: tmp_path,
-            [],
-            "(IsADirectoryError: ",
-        ),  # a folder without checkpoints
+        (lambda path, tmp_path: tmp_path / "missing.pt", [], ": cannot read it (No such file"),
+        # a folder without checkpoints, a named pipe (which would wait for a writer), a device
+        (lambda path, tmp_path: tmp_path, [], "(a folder, a pipe or a device, not a checkpoint"),
+        (named_pipe, [], "(a folder, a pipe or a device, not a checkpoint file)"),
+        (lambda path, tmp_path: Path("/dev/zero"), [], "(a folder, a pipe or a device, not a "),
+        (pickle_payload, [], ": refused: unpickling it could run code (it holds more than"),
         # the run's log
         (lambda path, tmp_path: next(path.parent.parent.glob("*.txt")), [], "(BadZipFile: "),
         (other_dict, [], "(KeyError: 'args')"),
     ],
 )
 def test_a_checkpoint_that_cannot_continue_the_run_is_one_error_line(
-    reference, markov_shards, tmp_path, capsys, make_path, extra, words
+    reference, markov_shards, tmp_path, capsys, make_path, extra, words, no_hang
 ):
     checkpoint = reference[1][0]
     path = make_path(checkpoint, tmp_path) if make_path else checkpoint

@@ -8,7 +8,6 @@ option error under run.sh: tests/test_launch.py.)
 
 Run: `pytest tests/test_trainer_faults.py` (add `-m "not slow"` for the quick ones)."""
 import os
-import signal
 
 import numpy as np
 import pytest
@@ -57,18 +56,6 @@ def one_line_error(capsys, code):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
-
-
-@pytest.fixture
-def no_hang():
-    """A test that would block (opening a pipe) fails after 60 s instead."""
-    def timed_out(signum, frame):
-        raise TimeoutError("the run blocked")
-    previous = signal.signal(signal.SIGALRM, timed_out)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize("kind", ["folder", "pipe"])
