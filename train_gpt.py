@@ -1285,8 +1285,10 @@ def shard_facts(path, expected=None):
         raise UserError(f"{path}: cannot read this shard{since} ({e.strerror}): narrow "
                         "--train_files or --val_files to readable shards, or restore it") from None
     if expected not in (None, facts):
-        raise UserError(f"{path}: changed since the run started ({expected[0]:,} tokens then, "
-                        f"{facts[0]:,} now): restore it")
+        how = f"{expected[0]:,} tokens then, {facts[0]:,} now"
+        if expected[0] == facts[0]:
+            how = f"written again, {facts[0]:,} tokens"
+        raise UserError(f"{path}: changed since the run started ({how}): restore it")
     return facts
 
 def batches_before_wrap(files, sizes, batch_size):

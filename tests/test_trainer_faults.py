@@ -73,6 +73,27 @@ def test_a_glob_matching_a_folder_or_a_pipe_is_one_line_naming_it(kind, tmp_path
     assert not (tmp_path / "logs").exists()
 
 
+def test_a_folder_the_glob_cannot_list_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """data/a/ and data/b/ hold train shards and b cannot be listed (os.scandir refuses it, as it
+    would a user without the right: the tests may run as root): one line naming b, never a run on
+    a's shards alone."""
+    _, val = shards(tmp_path / "data" / "a")
+    shards(tmp_path / "data" / "b")
+    blocked = str(tmp_path / "data" / "b")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if os.fspath(path).rstrip(os.sep) == blocked:
+            raise PermissionError(13, "Permission denied", path)
+        return scandir(path)
+    monkeypatch.setattr(os, "scandir", refusing)
+    pattern = str(tmp_path / "data" / "*" / "t_*")
+    line = one_line_error(capsys, train_gpt.main(tiny_run(pattern, val, tmp_path / "logs")))
+    assert line == (f"error: {blocked}: cannot list this folder (Permission denied): its shards "
+                    "would be left out; make it readable, or narrow --train_files/--val_files")
+    assert not (tmp_path / "logs").exists()
+
+
 def test_a_glob_character_in_a_folder_name_is_named_with_its_escape(tmp_path, capsys):
     folder = tmp_path / "run[1]"
     train, val = shards(folder)
@@ -107,12 +128,24 @@ def replace_with_folder(path):
     os.mkdir(path)
 
 
+def rewrite_in_place(path):
+    """Other tokens written into the same file, of the same size, its modification time put back
+    (as a tool that preserves times would leave it)."""
+    info = os.stat(path)
+    tokens = train_gpt.load_data_shard(path).numpy()[::-1].copy()
+    with open(path, "r+b") as f:
+        f.seek(train_gpt.HEADER_BYTES)
+        f.write(tokens.astype("<u2").tobytes())
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+
 CHANGED = "changed since the run started (600 tokens then, 400 now): restore it"
 UNREADABLE = "cannot read this shard since the run started"
 # a shorter shard: the checkpoint test below
 MID_RUN_FAULTS = {
     "deleted": (os.remove, f"{UNREADABLE} (No such file or directory)"),
     "folder": (replace_with_folder, f"{UNREADABLE} (a folder, a pipe or a device"),
+    "rewritten": (rewrite_in_place, "changed since the run started (written again, 300 tokens)"),
 }
 
 
