@@ -246,3 +246,25 @@ def test_a_shard_changed_for_one_rank_stops_every_rank_after_a_checkpoint(reques
     rank_one = f"error: {shard}: another process of the run could not read it again, then: "
     assert shard_changed.last_lines[1].startswith(rank_one)
     assert torch.load(checkpoint, weights_only=False)["step"] == 2
+
+
+@pytest.mark.slow
+def test_a_val_shard_that_changes_mid_run_ends_it_after_the_steps_checkpoint(tmp_path, capsys,
+                                                                              monkeypatch):
+    """Two val shards of 200 tokens: each validation reads both. The second changes at step 1; the
+    validation of step 2 meets it, writes step 2's checkpoint, and the line says how to resume."""
+    train, _ = shards(tmp_path / "data", SMALL_SHARDS)
+    for k in (1, 2):
+        train_gpt.write_data_shard(tmp_path / "data" / f"w_{k:06d}.bin",
+                                   train_gpt.markov_stream(200, seed=10 + k))
+    val_shard = tmp_path / "data" / "w_000002.bin"
+    at_step(monkeypatch, {1: lambda: replace_with_shorter(val_shard)})
+    options = tiny_run(train, str(tmp_path / "data" / "w_*"), tmp_path / "logs", "--num_iterations",
+                       "3", "--val_loss_every", "2", "--save_checkpoint", "true",
+                       *ONE_MICRO_BATCH, "--val_tokens", "256")
+    line = one_line_error(capsys, train_gpt.main(options))
+    log = finished_log(tmp_path / "logs")
+    checkpoint = tmp_path / "logs" / log.stem / "state_step000002.pt"
+    assert line.startswith(f"error: {val_shard}: changed since the run started"), line
+    assert line.endswith(f"restore it, then: python train_gpt.py --resume {checkpoint}"), line
+    assert torch.load(checkpoint, weights_only=True)["step"] == 2
