@@ -30,9 +30,8 @@ import fetch_hub
 import numpy as np
 import pytest
 from helpers import hub_environment
-from processes import launch_env
-from processes import run_process
-from processes import started
+from helpers import launch_env
+from helpers import run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 # the stand-in hub, in data/ beside the tool it stands in for
@@ -262,7 +261,7 @@ def test_sister_dataset_and_default_folder_beside_the_script(tmp_path):
     copy.parent.mkdir(parents=True)
     shutil.copy(SCRIPT, copy)
     # with the modules it imports from its folder
-    for helper in ("shards.py", "hub_errors.py"):
+    for helper in ("shards.py", "hub.py", "files.py"):
         shutil.copy(SCRIPT.parent / helper, copy.parent / helper)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -457,16 +456,21 @@ def test_interrupted_download_leaves_no_shard(hub, tmp_path, sig):
     # The server sends 3000 bytes, then hangs; the client would wait 60 s before retrying.
     hub.add(train(1), good, mode="stall", cut=3000)
     env = env_for(hub.endpoint, tmp_path, download_timeout=60)
-    with started(command(tmp_path, "1", "--workers", "1"), env=env, stdout=subprocess.PIPE,
-                 stderr=subprocess.PIPE, text=True) as proc:
+    proc = subprocess.Popen(command(tmp_path, "1", "--workers", "1"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
         assert hub.stalled.wait(30), "the download never started"
         # A second run meanwhile (in this process) is turned away, not let into .incoming/.
         if sig == signal.SIGINT:
             second = fetch(hub, tmp_path, "1")
-            assert_clean_failure(second, "another run is already downloading")
+            assert_clean_failure(second, f"another run (pid {proc.pid} on ", "is writing to")
         proc.send_signal(sig)
         # It exits at once, not after the stalled download.
         _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
     dest = tmp_path / "data"
     if sig == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL

@@ -1,8 +1,11 @@
-"""data/text_to_shards.py when things go wrong around it: a tokenizing worker killed, the run
-stopped by a signal or killed outright, an input changed since its shards were made (or while they
-are made), a pipe or a device given as input. Each is checked against what the user is left with:
-the exit status, the last line, the files and their bytes, and that no process stays behind.
-Runs that a signal must reach are separate processes (slow); the rest run in this process."""
+"""data/text_to_shards.py when things go wrong around it: a tokenizing worker killed or failing,
+the run stopped by a signal or killed outright, an input changed since its shards were made (or
+while they are made), a pipe or a device given as input. Each is checked against what the user is
+left with: the exit status, the last line, the files and their bytes, and that no process stays
+behind. Runs that a signal must reach are separate processes (slow); the rest run in this
+process.
+
+    python -m pytest tests/test_text_to_shards_faults.py -q"""
 import json
 import os
 import signal
@@ -11,13 +14,14 @@ import subprocess
 import sys
 import time
 
+import files
 import numpy as np
 import pytest
+import shards
 import text_to_shards
 import tiktoken
 from helpers import REPO
-from processes import launch_env
-from processes import start_process
+from helpers import launch_env
 
 WORDS = ["the", "speedrun", "na\u00efve", "token", "shard", "d\u00e9j\u00e0", "42"]
 OPTIONS = ["--val_tokens", "300", "--shard_tokens", "5000"]
@@ -37,18 +41,17 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 ranks = {bytes([b]): b for b in range(256)}
 encoding = tiktoken.Encoding("bytes", pat_str=r"\\S+|\\s+", mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256})
-encode_chunk = text_to_shards.encode_chunk
-def slow(documents, text_field):
+encode_pieces = text_to_shards.encode_pieces
+def slow(task, encoding, text_field):
     mark = os.path.join(os.environ["WORKERS_DIR"], str(os.getpid()))
     if not os.path.exists(mark):
         open(mark, "w").close()
     time.sleep(float(os.environ["SLOW"]))
-    return encode_chunk(documents, text_field)
-text_to_shards.encode_chunk = slow
+    return encode_pieces(task, encoding, text_field)
+text_to_shards.encode_pieces = slow
 text_to_shards.CHUNK_BYTES = 300
 sys.exit(text_to_shards.main(sys.argv[1:], encoding=encoding))
 """
-
 
 def byte_encoding():
     """The same encoding as CHILD's, for runs in this process."""
@@ -77,17 +80,33 @@ def file_bytes(folder):
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
 
 
+# the processes a test started, each in a session of its own: killed when the test ends
+STARTED = []
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running():
+    yield
+    for process in STARTED:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.communicate()
+    STARTED.clear()
+
+
 def start(paths, out, tmp_path, workers=2, slow=0.05):
-    """The command line in its own process and session, slowed down (its group killed at the
-    latest when the session ends, should the test fail first); (process, folder of worker
-    pids)."""
+    """The command line in its own process and session, slowed down (its group killed when the
+    test ends, should it fail first); (process, folder of worker pids)."""
     workers_dir = tmp_path / f"workers{time.monotonic_ns()}"
     workers_dir.mkdir()
     env = launch_env(PYTHONPATH=str(REPO / "data"), WORKERS_DIR=str(workers_dir), SLOW=str(slow))
     command = [sys.executable, "-c", CHILD, *map(str, paths), "--out", str(out), "--name",
                "corpus", "--workers", str(workers), *OPTIONS]
-    process = start_process(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    STARTED.append(process)
     return process, workers_dir
 
 
@@ -261,7 +280,7 @@ def test_a_changed_input_is_made_beside_the_old_dataset_then_swapped_in(tmp_path
     assert make(paths, tmp_path / "fresh") == 0
     fresh = file_bytes(tmp_path / "fresh")
     assert fresh != whole
-    rename = text_to_shards.ShardWriter.rename
+    rename = shards.ShardWriter.rename
     renamed = []
 
     def interrupted_rename(writer, shard):
@@ -270,10 +289,10 @@ def test_a_changed_input_is_made_beside_the_old_dataset_then_swapped_in(tmp_path
         renamed.append(shard.name)
         rename(writer, shard)
 
-    monkeypatch.setattr(text_to_shards.ShardWriter, "rename", interrupted_rename)
+    monkeypatch.setattr(shards.ShardWriter, "rename", interrupted_rename)
     assert make(paths, out) == 130
     assert file_bytes(out) == whole
-    monkeypatch.setattr(text_to_shards.ShardWriter, "rename", rename)
+    monkeypatch.setattr(shards.ShardWriter, "rename", rename)
     assert make(paths, out) == 0
     assert file_bytes(out) == fresh
     assert sorted(path.name for path in out.iterdir()) == sorted(fresh)
@@ -359,11 +378,11 @@ def test_a_device_as_input_is_refused_in_one_line(tmp_path, capsys):
 def test_a_worker_that_fails_ends_the_run_in_one_line(tmp_path, corpus, capsys, monkeypatch):
     paths, whole = corpus
 
-    def out_of_memory(documents, text_field):
+    def out_of_memory(task, encoding, text_field):
         raise MemoryError("cannot allocate")
 
     # the forked workers run the patched function
-    monkeypatch.setattr(text_to_shards, "encode_chunk", out_of_memory)
+    monkeypatch.setattr(text_to_shards, "encode_pieces", out_of_memory)
     assert make(paths, tmp_path / "out", workers=2) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: a tokenizing worker failed (MemoryError: cannot allocate)"), last
@@ -387,7 +406,7 @@ def test_a_lock_held_by_what_a_dead_run_left_says_what_to_stop(tmp_path, capsys)
     try:
         assert holder.stdout.readline() == "held\n"
         owner = {"host": socket.gethostname(), "pid": int(ended.stdout)}
-        (out / ".text_to_shards.owner").write_text(json.dumps(owner))
+        (out / files.OWNER).write_text(json.dumps(owner))
         write_corpus(tmp_path / "a.jsonl", 20)
         assert make([tmp_path / "a.jsonl"], out) == 1
         last = capsys.readouterr().err.strip().splitlines()[-1]
