@@ -25,8 +25,9 @@ How it works, and why:
   shard is then checked there, format and sha256, and only then renamed into place (files.py). So
   a shard name in the target folder only ever holds a complete, verified file; Ctrl-C, a dropped
   connection or a full disk leave debris only under .incoming/, which every run deletes, and shards
-  finished before that are kept. One run at a time downloads into a folder (its lock:
-  files.locked).
+  finished before that are kept. Every file is checked before it is opened: something else at a
+  shard's name (a pipe, a folder) is reported, not opened, deleted or replaced. One run at a time
+  downloads into a folder (its lock: files.locked).
 - Why local_dir and not the hub cache: the cache would keep a second copy of every shard.
 - Exit status: 0 when every requested shard is present and valid; 1 when something could not
   be fetched (an `error:` line says why); 2 for a bad command line; 130 when interrupted.
@@ -62,15 +63,15 @@ DATASETS = {
 
 def problem(path: Path, sha256: str | None = None) -> str | None:
     """What is wrong with the shard at `path`: its header and size, and its sha256 when one is
-    given."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    given. A FileProblem when it is not a file to read (checked before it is opened)."""
+    with files.open_checked(path) as f:
         header = f.read(HEADER_BYTES)
-        if why := shards.header_problem(header, size):
+        if why := shards.header_problem(header, f.seek(0, 2)):
             return why
         if sha256 is None:
             return None
         digest = hashlib.sha256(header)
+        f.seek(HEADER_BYTES)
         while block := f.read(1 << 24):
             digest.update(block)
     got = digest.hexdigest()
@@ -89,7 +90,8 @@ def human(n: float) -> str:
 
 
 def usable(path: Path, sha256: str | None = None) -> bool:
-    """Whether the shard at `path` is sound; one that is not is deleted, saying why."""
+    """Whether the shard at `path` is sound; one that is not is deleted, saying why. A FileProblem
+    for what is not a file: it is not ours to delete."""
     if why := problem(path, sha256):
         print(f"{path.name}: {why}; deleting it and fetching it again", file=sys.stderr)
         path.unlink()
@@ -114,9 +116,18 @@ def fetch_one(repo: str, commit: str, name: str, sha256: str, dest: Path) -> str
 def fetch(repo: str, dest: Path, names: list[str], args) -> tuple[list[str], list[str]]:
     """Make `names` present and valid in `dest`; return the names downloaded and error lines."""
     # no network for these...
-    missing = [n for n in names if not (dest / n).exists() or not usable(dest / n)]
+    missing = []
+    refused = {}
+    for n in names:
+        try:
+            if not (dest / n).exists() or not usable(dest / n):
+                missing.append(n)
+        except files.FileProblem as e:
+            refused[n] = f"{e}, where a shard should be: move it away, then rerun"
+    errors = list(refused.values())
+    names = [n for n in names if n not in refused]
     if not missing and not args.verify:
-        return [], []
+        return [], errors
     from huggingface_hub import HfApi
     from huggingface_hub import constants
 
@@ -127,8 +138,8 @@ def fetch(repo: str, dest: Path, names: list[str], args) -> tuple[list[str], lis
     if args.verify:
         missing += [n for n in names if n not in missing and n in listing
                     and not usable(dest / n, listing[n].lfs.sha256)]
-    errors = [f"{n} was not found in the dataset {repo} on {constants.ENDPOINT}"
-              for n in missing if n not in listing]
+    errors += [f"{n} was not found in the dataset {repo} on {constants.ENDPOINT}"
+               for n in missing if n not in listing]
     todo = [n for n in names if n in missing and n in listing]
     need = sum(listing[n].size for n in todo)
     free = shutil.disk_usage(dest).free
@@ -197,7 +208,7 @@ def fetch_and_report(repo: str, dest: Path, names: list[str], args, start: float
     finally:
         shutil.rmtree(dest / STAGING, ignore_errors=True)
     # all checked by now
-    present = [n for n in names if (dest / n).exists()]
+    present = [n for n in names if (dest / n).is_file()]
     size = sum((dest / n).stat().st_size for n in present)
     new = sum((dest / n).stat().st_size for n in fetched)
     print(f"{dest}: {len(present)} of {len(names)} shards present (val + {len(names) - 1} train), "

@@ -1,7 +1,9 @@
 """How the data tools touch files and folders: one rule for each, used by all of them.
 
 - A path is checked before it is opened. A pipe, a socket or a device where a file is expected is
-  refused without opening it (opening a pipe waits for a writer; a device may never end).
+  refused without opening it (opening a pipe waits for a writer; a device may never end). A file
+  that cannot be read, or a folder that cannot be listed, is an error naming it, never skipped
+  (Python's glob and Path.rglob skip what they cannot list, silently).
 - A file is written under a hidden temporary name beside its own (naming the host and process, so
   that no two runs ever write one file), flushed to disk, and renamed into place once whole: its
   name only ever holds a whole file.
@@ -100,25 +102,26 @@ def names_in(folder):
 
 
 def files_under(folder, leave_out=None):
-    """Every file under `folder` (and what only poses as one, for the reader's check to refuse),
-    sorted by path (folder by folder), hidden ones and the folder `leave_out` left out."""
+    """Every entry under `folder` that is not a folder, sorted by path (folder by folder), hidden
+    ones and the folder `leave_out` left out. Links to folders are followed, once each. A folder
+    that cannot be listed is a FileProblem; what only poses as a file is listed, for the reader's
+    check to refuse."""
     found = []
+    seen = set()
     skip = Path(leave_out).resolve() if leave_out is not None else None
 
     def walk(current):
-        if current.resolve() == skip:
+        info = checked(current, folder=True)
+        if (info.st_dev, info.st_ino) in seen or current.resolve() == skip:
             return
-        try:
-            names = names_in(current)
-        except FileProblem:
-            return
-        for name in names:
+        seen.add((info.st_dev, info.st_ino))
+        for name in names_in(current):
             path = current / name
             if name.startswith("."):
                 continue
-            if path.is_dir() and not path.is_symlink():
+            if os.path.isdir(path):
                 walk(path)
-            elif os.path.exists(path) and not os.path.isdir(path):
+            else:
                 found.append(path)
 
     walk(Path(folder))
@@ -139,10 +142,15 @@ def put_in_place(temp, path):
 
 
 def read_json(path):
-    """The JSON object in `path`, or None where there is none."""
+    """The JSON object in `path`, or None where there is none; what only poses as a file there is
+    a FileProblem (it is not the tool's to replace)."""
     try:
         record = json.loads(read_bytes(path))
-    except (FileProblem, ValueError):
+    except FileProblem as e:
+        if e.special:
+            raise
+        return None
+    except ValueError:
         return None
     return record if isinstance(record, dict) else None
 

@@ -7,6 +7,8 @@ Used by data/text_to_shards.py and evals/.
 """
 import hashlib
 
+import files
+
 # <|endoftext|>: the one special token, leading every document
 EOT = 50256
 # mergeable ranks: 256 bytes and 50,000 merges
@@ -36,10 +38,11 @@ def gpt2_encoding(tokenizer_file=None):
             raise TokenizerError(f"cannot get GPT-2's encoding from tiktoken ({type(e).__name__}); "
                                  f"offline, {TOKENIZER_HINT}") from None
     try:
+        # checked before tiktoken opens it: a pipe would never end
+        files.checked(tokenizer_file)
         ranks = tiktoken.load.load_tiktoken_bpe(str(tokenizer_file))
-    except OSError as e:
-        message = f"--tokenizer {tokenizer_file}: cannot read it ({e.strerror})"
-        raise TokenizerError(message) from None
+    except files.FileProblem as e:
+        raise TokenizerError(f"--tokenizer {e}") from None
     except Exception as e:
         # not base64 and rank on each line
         raise TokenizerError(f"--tokenizer {tokenizer_file}: not a tiktoken ranks file "

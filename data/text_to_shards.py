@@ -15,7 +15,7 @@ its "text" field (--text_field names another), Parquet one per row (pyarrow, imp
 it); a folder gives the files under it, sorted by path, hidden ones left out; or a dataset on the
 Hugging Face hub, by a config of its card or by path patterns (hub.py). Every path is checked
 before it is opened (files.py): a pipe or a device is refused, since a rerun could neither read it
-again nor tell whether it changed.
+again nor tell whether it changed; a file or folder that cannot be read is an error, never skipped.
 
 Output, in --out (default: data/NAME/ beside this script): shards.py's format. Every document is
 led by <|endoftext|> (50256) and encoded as encode_ordinary encodes it, so text that looks like
@@ -27,15 +27,15 @@ How it works, and why:
 - The main process reads the inputs in blocks of whole lines (CHUNK_BYTES) and hands them to
   --workers processes (workers.py), which parse and tokenize them: answers come in input order,
   a bounded number in flight, so memory stays flat and the bytes are the same for any worker count.
-  A worker that dies or fails ends the run in one line.
+  A worker that dies, fails (whatever it raised) or is stuck ends the run in one line.
 - A shard is written under a temporary name and renamed into place once whole. text_to_shards.json
   records the inputs (size, modification and change time), the options and the finished shards:
   rerunning the same command after Ctrl-C, SIGTERM or SIGHUP keeps the finished shards and goes on
   after them, giving the same files as one run. A folder holding other shards (another NAME, other
   inputs or options, or shards this script did not write) is refused rather than mixed.
 - When an input changed since a dataset was made, the new one is made in STAGING and swapped in
-  once complete: an error leaves the old one as it was, and a swap that was interrupted is finished
-  by the rerun.
+  once complete: an error leaves the old one as it was, and a swap that was interrupted at any
+  moment is finished by the next run, whatever its inputs.
 - One run at a time writes a folder (files.locked: a lock the kernel releases however a run ends).
 - Exit status: 0 done; 1 an error, said in one line; 2 a bad command line; 130 interrupted.
 """
@@ -352,11 +352,13 @@ def json_text(record, text_field, line):
 
 # The output folder -------------------------------------------------------------------------------
 def our_files(folder, name):
-    """(This dataset's shards in `folder`, sorted by name; the temporary files that killed runs
-    left there.)"""
+    """(This dataset's shards in `folder`, sorted by name, each checked to be a file; the temporary
+    files that killed runs left there.)"""
     shard = rf"{re.escape(name)}_(val_000000|train_\d{{6}})\.bin"
     names = files.names_in(folder)
     found = [file for file in names if re.fullmatch(shard, file)]
+    for file in found:
+        files.checked(folder / file)
     debris = rf"\.({shard}|{re.escape(MANIFEST)}|{re.escape(files.OWNER)})\..+\.tmp"
     return found, [file for file in names if re.fullmatch(debris, file)]
 
@@ -431,8 +433,8 @@ def refuse_others(out, identity, present, manifest):
 
 
 def swap(out, manifest):
-    """Put the complete dataset made in STAGING in place of the one in `out`; done again after an
-    interruption, it finishes what was left."""
+    """Put the complete dataset made in STAGING in place of the one in `out`. Every step can be done
+    again, so that a swap interrupted at any moment is finished by the next run."""
     for shard in manifest["shards"]:
         if os.path.lexists(out / STAGING / shard["file"]):
             os.replace(out / STAGING / shard["file"], out / shard["file"])
@@ -462,12 +464,11 @@ def convert(inputs, out, name, encoding, workers=1, val_tokens=DEFAULT_VAL_TOKEN
     stamps = [item.stamp for item in inputs]
     staging = out / STAGING
     with files.locked(out) as lock:
-        staged = swap_pending(out)
-        ours = staged is not None and all(staged.get(key) == identity[key] for key in identity)
-        if ours and same_stamps(staged.get("stamps"), stamps):
-            # an interrupted swap
+        if staged := swap_pending(out):
+            print(f"a run was interrupted while it put new shards in place of the old ones in "
+                  f"{out}: finishing that; {out} now holds the new shards only, made from the "
+                  "inputs as they were then", file=sys.stderr)
             swap(out, staged)
-            return staged, None
         kept, complete, changed = plan(out, identity, stamps)
         folder = staging if changed else out
         if changed:
@@ -484,12 +485,12 @@ def convert(inputs, out, name, encoding, workers=1, val_tokens=DEFAULT_VAL_TOKEN
         files.write_json(folder / MANIFEST, manifest)
         try:
             made = run(inputs, folder, manifest, encoding, workers, lock)
-        except (InputError, shards.LayoutError):
+        except (InputError, shards.LayoutError) as e:
             if folder == out:
                 raise
-            # the old dataset stays, as it was
             shutil.rmtree(staging)
-            raise
+            raise InputError(f"{e}; the shards in {out} are kept as they were, made from the "
+                             "inputs before they changed") from None
         written = {shard["file"] for shard in manifest["shards"]}
         # left by an earlier run with more shards
         delete(folder, [file for file in our_files(folder, name)[0] if file not in written])
@@ -664,8 +665,12 @@ def main(argv=None, encoding=None):
               "kept: free some space and rerun the same command to go on", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Interrupted):
-        print(f"\ninterrupted: the finished shards in {args.out} are kept; rerun the same command "
-              "to go on", file=sys.stderr)
+        if swap_pending(args.out):
+            kept = (f"it was putting new shards in place of the old ones in {args.out}: rerun the "
+                    "same command to finish that (until then the folder may hold some of each)")
+        else:
+            kept = f"the finished shards in {args.out} are kept; rerun the same command to go on"
+        print(f"\ninterrupted: {kept}", file=sys.stderr)
         return 130
     finally:
         for signum, handler in handlers.items():

@@ -4,10 +4,14 @@ beyond it.
 - Answers come in the order the tasks were given, with at most IN_FLIGHT tasks per worker handed
   out, so that memory stays flat whatever the input.
 - A worker that dies ends the work in one line naming it and how it died (the pool says that one
-  died, not which); one that cannot finish a task answers so.
-- Workers never outlive the run: on Linux the kernel kills them when it ends, even by SIGKILL.
-  Ctrl-C and a closed terminal are the run's to handle, and a lock that the run holds is not
-  theirs (a forked copy of its descriptor would hold it).
+  died, not which). One that cannot finish a task answers so, whatever was raised (pyo3's
+  PanicException, a Rust panic, is no Exception). One that is stuck is found too: each worker
+  beats into memory it shares with the run (its pid, its main thread's CPU seconds, the tasks it
+  began and finished), and one that has held a task for STUCK_SECONDS without progress is stuck
+  (in a Rust panic holding the GIL, say, or waiting on nothing).
+- Workers never outlive the run: on Linux the kernel kills them when it ends, even by SIGKILL;
+  elsewhere they leave once it is gone. Ctrl-C and a closed terminal are the run's to handle, and a
+  lock that the run holds is not theirs (a forked copy of its descriptor would hold it).
 """
 
 import collections
@@ -17,15 +21,23 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 
+import numpy as np
+
 IN_FLIGHT = 4
-# in a worker: its function
+STUCK_SECONDS = 10
+BEAT_SECONDS = 0.5
+# a worker's row in the memory it shares with the run
+PID, CPU, BEGUN, DONE = range(4)
+# in a worker: its function and its row
 WORKER = {}
 
 
 class WorkerError(Exception):
-    """A worker died or failed: the message says which, and how."""
+    """A worker died, failed or is stuck: the message says which, and how."""
 
 
 class Workers:
@@ -37,7 +49,11 @@ class Workers:
         forked = context.get_start_method() == "fork"
         self.count = count
         self.name = name
-        arguments = (function, lock if forked else None)
+        shared = context.RawArray("d", 4 * count)
+        self.rows = np.frombuffer(shared).reshape(count, 4)
+        # pid: (CPU seconds, tasks done, when either last moved)
+        self.progress = {}
+        arguments = (function, shared, context.Value("i", 0), os.getpid(), lock if forked else None)
         self.pool = concurrent.futures.ProcessPoolExecutor(count, context, start, arguments)
 
     def answers(self, tasks):
@@ -61,15 +77,30 @@ class Workers:
             yield self.answer(window.popleft())
 
     def answer(self, future):
-        try:
-            finished, answer = future.result()
-        except BrokenProcessPool:
-            raise WorkerError(self.death()) from None
-        except Exception as e:  # noqa: BLE001 - an answer that could not be sent, say
-            finished, answer = False, f"{type(e).__name__}: {e}"
-        if not finished:
-            raise WorkerError(f"a {self.name} failed ({answer})")
-        return answer
+        """The future's answer; meanwhile, every second, a look for a stuck worker."""
+        while True:
+            try:
+                finished, answer = future.result(timeout=1)
+            except concurrent.futures.TimeoutError:
+                self.look_for_a_stuck_worker()
+                continue
+            except BrokenProcessPool:
+                raise WorkerError(self.death()) from None
+            except Exception as e:  # noqa: BLE001 - an answer that could not be sent, say
+                finished, answer = False, f"{type(e).__name__}: {e}"
+            if not finished:
+                raise WorkerError(f"a {self.name} failed ({answer})")
+            return answer
+
+    def look_for_a_stuck_worker(self):
+        now = time.monotonic()
+        for pid, cpu, begun, done in self.rows:
+            moved = self.progress.get(pid)
+            if moved is None or begun == done or cpu - moved[0] > 0.05 or done != moved[1]:
+                self.progress[pid] = cpu, done, now
+            elif now - moved[2] > STUCK_SECONDS:
+                raise WorkerError(f"a {self.name} (pid {int(pid)}) stopped answering (no progress "
+                                  f"in {STUCK_SECONDS} s)")
 
     def death(self):
         """Which worker died, and how: the pool terminates (SIGTERM) the others."""
@@ -91,7 +122,7 @@ class Workers:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def start(function, lock):
+def start(function, shared, rows_taken, parent, lock):
     """The pool's initializer, in each worker."""
     if lock is not None:
         os.close(lock)
@@ -102,12 +133,30 @@ def start(function, lock):
     if sys.platform.startswith("linux"):
         # PR_SET_PDEATHSIG: the kernel kills this process when the run ends
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
-    WORKER["function"] = function
+    with rows_taken.get_lock():
+        row = np.frombuffer(shared).reshape(-1, 4)[rows_taken.value]
+        rows_taken.value += 1
+    row[PID] = os.getpid()
+    WORKER.update(function=function, row=row)
+    threading.Thread(target=beat, args=(row, parent), daemon=True).start()
+
+
+def beat(row, parent):
+    """The main thread's CPU seconds into the worker's row every BEAT_SECONDS, until the run is
+    gone (where the kernel does not end this process with it)."""
+    while os.getppid() == parent:
+        row[CPU] = time.process_time() - time.thread_time()
+        time.sleep(BEAT_SECONDS)
+    os._exit(1)
 
 
 def work(task):
     """(True, function(task)), or (False, why) for a task the worker cannot finish."""
+    row = WORKER["row"]
+    row[BEGUN] += 1
     try:
         return True, WORKER["function"](task)
-    except Exception as error:  # noqa: BLE001 - told to the run, which then ends the workers
+    except BaseException as error:  # noqa: BLE001 - told to the run, which then ends the workers
         return False, f"{type(error).__name__}: {error}"
+    finally:
+        row[DONE] += 1

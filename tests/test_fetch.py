@@ -99,10 +99,10 @@ def command(tmp_path: Path, *args: str, wrapper: list[str] = ()) -> list[str]:
     return [sys.executable, *wrapper, str(SCRIPT), *args, "--dir", str(tmp_path / "data")]
 
 
-def fetch_in_a_process(hub: FakeHub, tmp_path: Path, *args: str,
-                       wrapper: list[str] = ()) -> subprocess.CompletedProcess:
+def fetch_in_a_process(hub: FakeHub, tmp_path: Path, *args: str, wrapper: list[str] = (),
+                       timeout: int = 60) -> subprocess.CompletedProcess:
     """The script run as users run it, in a process of its own."""
-    return run_process(command(tmp_path, *args, wrapper=wrapper), 60,
+    return run_process(command(tmp_path, *args, wrapper=wrapper), timeout,
                        env=env_for(hub.endpoint, tmp_path))
 
 
@@ -488,3 +488,28 @@ def test_interrupted_download_leaves_no_shard(hub, tmp_path, sig):
     result = fetch(hub, tmp_path, "1")
     assert result.returncode == 0, result.stderr
     assert_only_good_shards(dest, hub, [VAL, train(1)])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_a_pipe_or_a_folder_at_a_shards_name_is_reported_not_opened(hub, tmp_path, verify):
+    """In a process of its own: opening the pipe would wait for a writer forever."""
+    dest = tmp_path / "data"
+    dest.mkdir()
+    (dest / VAL).write_bytes(hub.served(VAL))
+    os.mkfifo(dest / train(1))
+    (dest / train(3)).mkdir()
+    args = ["3", "--workers", "1"] + (["--verify"] if verify else [])
+    result = fetch_in_a_process(hub, tmp_path, *args, timeout=30)
+    assert_clean_failure(
+        result, f"error: {dest / train(1)}: a pipe, not a regular file, where a shard should be: "
+        "move it away, then rerun", f"error: {dest / train(3)}: a folder, not a file, where a "
+        "shard should be")
+    assert result.stderr.count("error:") == 2
+    # left as they were; the others are there
+    assert (dest / train(1)).is_fifo() and (dest / train(3)).is_dir()
+    for name in (VAL, train(2)):
+        assert (dest / name).read_bytes() == hub.served(name)
+    assert [r.filename for r in hub.file_gets()] == [train(2)]
+
