@@ -22,17 +22,19 @@ How it works, and why:
   and HF_HUB_OFFLINE apply as usual): one dataset_info call for the sha256 the hub publishes for
   each shard (an LFS file), then hf_hub_download, a few shards at a time, into <target>/.incoming/,
   where the client writes each file under a temporary name and renames it once complete. Each
-  shard is then checked there, format and sha256, and only then renamed into place with
-  os.replace, which is atomic. So a shard name in the target folder only ever holds a complete,
-  verified file; Ctrl-C, a dropped connection or a full disk leave debris only under .incoming/,
-  which every run deletes, and shards finished before that are kept.
+  shard is then checked there, format and sha256, and only then renamed into place (files.py). So
+  a shard name in the target folder only ever holds a complete, verified file; Ctrl-C, a dropped
+  connection or a full disk leave debris only under .incoming/, which every run deletes, and shards
+  finished before that are kept. Every file is checked before it is opened: something else at a
+  shard's name (a pipe, a folder) is reported, not opened, deleted or replaced. One run at a time
+  downloads into a folder (its lock: files.locked).
 - Why local_dir and not the hub cache: the cache would keep a second copy of every shard.
 - Exit status: 0 when every requested shard is present and valid; 1 when something could not
   be fetched (an `error:` line says why); 2 for a bad command line; 130 when interrupted.
 """
 
 import argparse
-import fcntl
+import contextlib
 import hashlib
 import os
 import shutil
@@ -43,7 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import as_completed
 from pathlib import Path
 
-import hub_errors
+import files
+import hub
 import shards
 
 HERE = Path(__file__).resolve().parent
@@ -60,15 +63,15 @@ DATASETS = {
 
 def problem(path: Path, sha256: str | None = None) -> str | None:
     """What is wrong with the shard at `path`: its header and size, and its sha256 when one is
-    given."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    given. A FileProblem when it is not a file to read (checked before it is opened)."""
+    with files.open_checked(path) as f:
         header = f.read(HEADER_BYTES)
-        if why := shards.header_problem(header, size):
+        if why := shards.header_problem(header, f.seek(0, 2)):
             return why
         if sha256 is None:
             return None
         digest = hashlib.sha256(header)
+        f.seek(HEADER_BYTES)
         while block := f.read(1 << 24):
             digest.update(block)
     got = digest.hexdigest()
@@ -86,35 +89,9 @@ def human(n: float) -> str:
     return f"{n:,.0f} bytes"
 
 
-def explain(exc: BaseException, repo: str, dest: Path) -> str:
-    """One line for a failure inside the hub client: the first cause in the chain that we know."""
-    from huggingface_hub import constants
-
-    hub = constants.ENDPOINT
-    kept = f"the shards already in {dest} are kept"
-    what, cause, status = hub_errors.first_known_cause(exc)
-    if what == hub_errors.DENIED:
-        return (f"{hub} refused access to {repo} (HTTP {status}): set HF_TOKEN to a token that can "
-                f"read it; {kept}")
-    if what == hub_errors.NOT_FOUND_REPO:
-        return f"the dataset {repo} was not found on {hub} (if it is private, set HF_TOKEN); {kept}"
-    if what in (hub_errors.HTTP_STATUS, hub_errors.NOT_FOUND_FILE) and status:
-        return (f"{hub} answered HTTP {status} while sending {repo}; {kept}, rerun the same "
-                "command to continue")
-    if what == hub_errors.OFFLINE:
-        return f"HF_HUB_OFFLINE is set, so the missing shards cannot be downloaded; {kept}"
-    if what == hub_errors.DISK_FULL:
-        free = human(shutil.disk_usage(dest).free)
-        return (f"the disk is full ({cause.strerror}; {free} free in {dest}); partial files were "
-                f"removed, {kept}")
-    if what == hub_errors.UNREACHABLE:
-        return (f"cannot reach the hub at {hub} ({type(cause).__name__}: {cause}); {kept}. "
-                "HF_ENDPOINT picks a mirror")
-    return f"{hub_errors.first_line(exc)}; {kept}"
-
-
 def usable(path: Path, sha256: str | None = None) -> bool:
-    """Whether the shard at `path` is sound; one that is not is deleted, saying why."""
+    """Whether the shard at `path` is sound; one that is not is deleted, saying why. A FileProblem
+    for what is not a file: it is not ours to delete."""
     if why := problem(path, sha256):
         print(f"{path.name}: {why}; deleting it and fetching it again", file=sys.stderr)
         path.unlink()
@@ -133,44 +110,52 @@ def fetch_one(repo: str, commit: str, name: str, sha256: str, dest: Path) -> str
     if why := problem(path, sha256):
         path.unlink()
         return f"{name} from {repo}: {why}; it was deleted"
-    # on disk before the rename makes it visible
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(path, dest / name)
+    files.put_in_place(path, dest / name)
 
 
 def fetch(repo: str, dest: Path, names: list[str], args) -> tuple[list[str], list[str]]:
     """Make `names` present and valid in `dest`; return the names downloaded and error lines."""
     # no network for these...
-    missing = [n for n in names if not (dest / n).exists() or not usable(dest / n)]
+    missing = []
+    refused = {}
+    for n in names:
+        try:
+            if not (dest / n).exists() or not usable(dest / n):
+                missing.append(n)
+        except files.FileProblem as e:
+            refused[n] = f"{e}, where a shard should be: move it away, then rerun"
+    errors = list(refused.values())
+    names = [n for n in names if n not in refused]
     if not missing and not args.verify:
-        return [], []
+        return [], errors
     from huggingface_hub import HfApi
     from huggingface_hub import constants
 
     info = HfApi().dataset_info(repo, files_metadata=True)
     # Shards are LFS files: for those the hub publishes size and sha256.
-    files = {f.rfilename: f for f in info.siblings if f.lfs is not None}
+    listing = {f.rfilename: f for f in info.siblings if f.lfs is not None}
     # ... unless asked
     if args.verify:
-        missing += [n for n in names if n not in missing and n in files
-                    and not usable(dest / n, files[n].lfs.sha256)]
-    errors = [f"{n} was not found in the dataset {repo} on {constants.ENDPOINT}"
-              for n in missing if n not in files]
-    todo = [n for n in names if n in missing and n in files]
-    need = sum(files[n].size for n in todo)
+        missing += [n for n in names if n not in missing and n in listing
+                    and not usable(dest / n, listing[n].lfs.sha256)]
+    errors += [f"{n} was not found in the dataset {repo} on {constants.ENDPOINT}"
+               for n in missing if n not in listing]
+    todo = [n for n in names if n in missing and n in listing]
+    need = sum(listing[n].size for n in todo)
     free = shutil.disk_usage(dest).free
     if need > free:
         return [], errors + [f"not enough disk space in {dest}: {len(todo)} shards need "
                              f"{human(need)}, {human(free)} is free; free some space or ask for "
                              "fewer shards"]
+    kept = f"partial files were removed, the shards already in {dest} are kept"
     with ThreadPoolExecutor(args.workers) as pool:
-        jobs = {pool.submit(fetch_one, repo, info.sha, n, files[n].lfs.sha256, dest): n
+        jobs = {pool.submit(fetch_one, repo, info.sha, n, listing[n].lfs.sha256, dest): n
                 for n in todo}
         for job in as_completed(jobs):
             # likely to fail the rest too: do not start them
             if not job.cancelled() and job.exception():
-                errors.append(f"{jobs[job]}: {explain(job.exception(), repo, dest)}")
+                why = hub.one_line(job.exception(), repo, kept, dest)
+                errors.append(f"{jobs[job]}: {why}")
                 pool.shutdown(wait=False, cancel_futures=True)
             elif not job.cancelled() and job.result():
                 errors.append(job.result())
@@ -183,40 +168,31 @@ def run(args) -> int:
     train_names = [f"{prefix}_train_{i:06d}.bin" for i in range(1, args.n + 1)]
     names = [f"{prefix}_val_000000.bin"] + train_names
     start = time.perf_counter()
-    descriptor = None
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        # Two runs must not share .incoming/. The descriptor stays open until this run ends (the
-        # process, from the command line).
-        descriptor = os.open(dest, os.O_RDONLY)
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if descriptor is not None:
-            os.close(descriptor)
-        if isinstance(e, BlockingIOError):
-            why = f"another run is already downloading into {dest}; wait for it to finish"
-        else:
-            why = f"cannot use the target folder {dest}: {e.strerror}"
-        print(f"error: {why}", file=sys.stderr)
-        return 1
 
     def interrupted(signum, frame):
         """Download threads cannot be stopped politely: drop their files, leave now."""
         shutil.rmtree(dest / STAGING, ignore_errors=True)
+        (dest / files.OWNER).unlink(missing_ok=True)
         sys.stderr.write("\ninterrupted: finished shards are kept, partial ones discarded; "
                          "rerun to continue\n")
         os._exit(130)
 
-    # a killed job cleans up like Ctrl-C
-    handlers = {signum: signal.signal(signum, interrupted)
-                for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return fetch_and_report(repo, dest, names, args, start)
-    finally:
-        # as they were, for a caller in the same process (the tests)
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        os.close(descriptor)
+    with contextlib.ExitStack() as stack:
+        # two runs must not share .incoming/
+        try:
+            stack.enter_context(files.locked(dest))
+        except files.UnusableFolder as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        # a killed job cleans up like Ctrl-C
+        handlers = {signum: signal.signal(signum, interrupted)
+                    for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return fetch_and_report(repo, dest, names, args, start)
+        finally:
+            # as they were, for a caller in the same process (the tests)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
 
 def fetch_and_report(repo: str, dest: Path, names: list[str], args, start: float) -> int:
@@ -228,11 +204,11 @@ def fetch_and_report(repo: str, dest: Path, names: list[str], args, start: float
         fetched, errors = fetch(repo, dest, names, args)
     except Exception as e:  # noqa: BLE001 - e.g. the hub is unreachable
         fetched = []
-        errors = [explain(e, repo, dest)]
+        errors = [hub.one_line(e, repo, f"the shards already in {dest} are kept")]
     finally:
         shutil.rmtree(dest / STAGING, ignore_errors=True)
     # all checked by now
-    present = [n for n in names if (dest / n).exists()]
+    present = [n for n in names if (dest / n).is_file()]
     size = sum((dest / n).stat().st_size for n in present)
     new = sum((dest / n).stat().st_size for n in fetched)
     print(f"{dest}: {len(present)} of {len(names)} shards present (val + {len(names) - 1} train), "

@@ -5,6 +5,10 @@ Online, tiktoken downloads it on first use and caches it. Offline, every tool th
 openai-whisper package), from which the same encoding is built here, with tiktoken's own pattern.
 Used by data/text_to_shards.py and evals/.
 """
+import hashlib
+
+import files
+
 # <|endoftext|>: the one special token, leading every document
 EOT = 50256
 # mergeable ranks: 256 bytes and 50,000 merges
@@ -34,10 +38,11 @@ def gpt2_encoding(tokenizer_file=None):
             raise TokenizerError(f"cannot get GPT-2's encoding from tiktoken ({type(e).__name__}); "
                                  f"offline, {TOKENIZER_HINT}") from None
     try:
+        # checked before tiktoken opens it: a pipe would never end
+        files.checked(tokenizer_file)
         ranks = tiktoken.load.load_tiktoken_bpe(str(tokenizer_file))
-    except OSError as e:
-        message = f"--tokenizer {tokenizer_file}: cannot read it ({e.strerror})"
-        raise TokenizerError(message) from None
+    except files.FileProblem as e:
+        raise TokenizerError(f"--tokenizer {e}") from None
     except Exception as e:
         # not base64 and rank on each line
         raise TokenizerError(f"--tokenizer {tokenizer_file}: not a tiktoken ranks file "
@@ -49,3 +54,16 @@ def gpt2_encoding(tokenizer_file=None):
     pattern = tiktoken_ext.openai_public.r50k_pat_str
     return tiktoken.Encoding(name="gpt2", pat_str=pattern, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT})
+
+
+def fingerprint(encoding):
+    """What identifies an encoding, for records of what it made: its name and a hash of every
+    token's bytes and id."""
+    digest = hashlib.sha256()
+    for token in sorted(encoding.token_byte_values()):
+        token_id = encoding.encode_single_token(token)
+        digest.update(len(token).to_bytes(4, "little") + token + token_id.to_bytes(4, "little"))
+    for special in sorted(encoding.special_tokens_set):
+        special_id = encoding.encode_single_token(special)
+        digest.update(special.encode() + special_id.to_bytes(4, "little"))
+    return f"{encoding.name} {digest.hexdigest()[:16]}"

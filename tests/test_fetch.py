@@ -30,9 +30,8 @@ import fetch_hub
 import numpy as np
 import pytest
 from helpers import hub_environment
-from processes import launch_env
-from processes import run_process
-from processes import started
+from helpers import launch_env
+from helpers import run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 # the stand-in hub, in data/ beside the tool it stands in for
@@ -100,10 +99,10 @@ def command(tmp_path: Path, *args: str, wrapper: list[str] = ()) -> list[str]:
     return [sys.executable, *wrapper, str(SCRIPT), *args, "--dir", str(tmp_path / "data")]
 
 
-def fetch_in_a_process(hub: FakeHub, tmp_path: Path, *args: str,
-                       wrapper: list[str] = ()) -> subprocess.CompletedProcess:
+def fetch_in_a_process(hub: FakeHub, tmp_path: Path, *args: str, wrapper: list[str] = (),
+                       timeout: int = 60) -> subprocess.CompletedProcess:
     """The script run as users run it, in a process of its own."""
-    return run_process(command(tmp_path, *args, wrapper=wrapper), 60,
+    return run_process(command(tmp_path, *args, wrapper=wrapper), timeout,
                        env=env_for(hub.endpoint, tmp_path))
 
 
@@ -262,7 +261,7 @@ def test_sister_dataset_and_default_folder_beside_the_script(tmp_path):
     copy.parent.mkdir(parents=True)
     shutil.copy(SCRIPT, copy)
     # with the modules it imports from its folder
-    for helper in ("shards.py", "hub_errors.py"):
+    for helper in ("shards.py", "hub.py", "files.py"):
         shutil.copy(SCRIPT.parent / helper, copy.parent / helper)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -457,16 +456,21 @@ def test_interrupted_download_leaves_no_shard(hub, tmp_path, sig):
     # The server sends 3000 bytes, then hangs; the client would wait 60 s before retrying.
     hub.add(train(1), good, mode="stall", cut=3000)
     env = env_for(hub.endpoint, tmp_path, download_timeout=60)
-    with started(command(tmp_path, "1", "--workers", "1"), env=env, stdout=subprocess.PIPE,
-                 stderr=subprocess.PIPE, text=True) as proc:
+    proc = subprocess.Popen(command(tmp_path, "1", "--workers", "1"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
         assert hub.stalled.wait(30), "the download never started"
         # A second run meanwhile (in this process) is turned away, not let into .incoming/.
         if sig == signal.SIGINT:
             second = fetch(hub, tmp_path, "1")
-            assert_clean_failure(second, "another run is already downloading")
+            assert_clean_failure(second, f"another run (pid {proc.pid} on ", "is writing to")
         proc.send_signal(sig)
         # It exits at once, not after the stalled download.
         _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
     dest = tmp_path / "data"
     if sig == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL
@@ -484,3 +488,28 @@ def test_interrupted_download_leaves_no_shard(hub, tmp_path, sig):
     result = fetch(hub, tmp_path, "1")
     assert result.returncode == 0, result.stderr
     assert_only_good_shards(dest, hub, [VAL, train(1)])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_a_pipe_or_a_folder_at_a_shards_name_is_reported_not_opened(hub, tmp_path, verify):
+    """In a process of its own: opening the pipe would wait for a writer forever."""
+    dest = tmp_path / "data"
+    dest.mkdir()
+    (dest / VAL).write_bytes(hub.served(VAL))
+    os.mkfifo(dest / train(1))
+    (dest / train(3)).mkdir()
+    args = ["3", "--workers", "1"] + (["--verify"] if verify else [])
+    result = fetch_in_a_process(hub, tmp_path, *args, timeout=30)
+    assert_clean_failure(
+        result, f"error: {dest / train(1)}: a pipe, not a regular file, where a shard should be: "
+        "move it away, then rerun", f"error: {dest / train(3)}: a folder, not a file, where a "
+        "shard should be")
+    assert result.stderr.count("error:") == 2
+    # left as they were; the others are there
+    assert (dest / train(1)).is_fifo() and (dest / train(3)).is_dir()
+    for name in (VAL, train(2)):
+        assert (dest / name).read_bytes() == hub.served(name)
+    assert [r.filename for r in hub.file_gets()] == [train(2)]
+

@@ -11,8 +11,10 @@ import sys
 import zlib
 
 import gpt2_tokenizer
+import hub
 import numpy as np
 import pytest
+import shards
 import text_to_shards
 import tiktoken
 from helpers import REPO
@@ -95,7 +97,7 @@ def make(paths, out, *options, name="corpus", encoding=None):
     return text_to_shards.main(argv, encoding=encoding)
 
 
-def shards(out, name="corpus"):
+def read_shards(out, name="corpus"):
     """{file name: tokens}, the val shard first, as the trainer reads them (it checks header and
     size)."""
     paths = sorted(out.glob(f"{name}_val_*.bin")) + sorted(out.glob(f"{name}_train_*.bin"))
@@ -112,7 +114,7 @@ def split_documents(tokens):
 
 def byte_documents(out, name="corpus"):
     """The documents of all shards, in order, decoded as the byte encoding's UTF-8 bytes."""
-    made = shards(out, name).values()
+    made = read_shards(out, name).values()
     return [bytes(doc.tolist()).decode() for tokens in made for doc in split_documents(tokens)]
 
 
@@ -140,7 +142,7 @@ def test_every_format_gives_gpt2s_tokens_of_every_document_in_order(tmp_path):
                 "--workers", "2") == 0
     encoding = gpt2_tokenizer.gpt2_encoding(RANKS)
     expected = np.concatenate([[EOT] + encoding.encode_ordinary(doc) for doc in documents])
-    made = shards(tmp_path / "out")
+    made = read_shards(tmp_path / "out")
     assert np.array_equal(np.concatenate(list(made.values())), expected)
     decoded = [encoding.decode(doc.tolist())
                for tokens in made.values() for doc in split_documents(tokens)]
@@ -189,7 +191,7 @@ def test_val_shard_takes_whole_documents_then_train_shards_fill_up_to_the_limit(
         current += length
     expected.append(current)
     assert current >= shard_tokens / 2  # (this corpus's last shard needs no evening out)
-    made = shards(tmp_path / "out")
+    made = read_shards(tmp_path / "out")
     train = [f"corpus_train_{i:06d}.bin" for i in range(1, len(expected))]
     assert list(made) == ["corpus_val_000000.bin"] + train
     assert [len(tokens) for tokens in made.values()] == expected
@@ -202,7 +204,7 @@ def test_a_short_last_train_shard_is_evened_out_with_the_one_before(tmp_path):
     # val: 1 document; train: 10 fit in 600 tokens, then 2 (108 < 300): evened out to 6 and 6
     assert make(paths, tmp_path / "out", "--val_tokens", "1", "--shard_tokens", "600",
                 encoding=byte_encoding()) == 0
-    made = shards(tmp_path / "out").values()
+    made = read_shards(tmp_path / "out").values()
     assert [len(split_documents(tokens)) for tokens in made] == [1, 6, 6]
     assert byte_documents(tmp_path / "out") == documents
 
@@ -227,9 +229,9 @@ def test_an_interrupted_run_goes_on_to_the_same_files(tmp_path, monkeypatch, fin
     options = ["--val_tokens", "300", "--shard_tokens", "2000"]
     assert make(paths, tmp_path / "whole", *options, encoding=byte_encoding()) == 0
     whole = file_bytes(tmp_path / "whole")
-    rename = text_to_shards.ShardWriter.rename
+    rename = shards.ShardWriter.rename
     renamed = []
-    encoded = []
+    read = []
 
     def interrupted_rename(writer, shard):
         if len(renamed) == finished:
@@ -237,28 +239,30 @@ def test_an_interrupted_run_goes_on_to_the_same_files(tmp_path, monkeypatch, fin
         renamed.append(shard.name)
         rename(writer, shard)
 
-    monkeypatch.setattr(text_to_shards.ShardWriter, "rename", interrupted_rename)
+    monkeypatch.setattr(shards.ShardWriter, "rename", interrupted_rename)
     assert make(paths, tmp_path / "out", *options, encoding=byte_encoding()) == 130
     left = file_bytes(tmp_path / "out")
     # no temporary file, no partial shard
     assert sorted(left) == sorted(renamed + [text_to_shards.MANIFEST])
     assert all(left[name] == whole[name] for name in renamed)
-    monkeypatch.setattr(text_to_shards.ShardWriter, "rename", rename)
-    encode_chunk = text_to_shards.encode_chunk
+    monkeypatch.setattr(shards.ShardWriter, "rename", rename)
+    pieces = text_to_shards.pieces
 
-    def counted(documents, text_field):
-        encoded.append(len(documents))
-        return encode_chunk(documents, text_field)
+    def counted(*args):
+        for piece in pieces(*args):
+            # the documents read: the lines with text
+            read.append(sum(1 for line in piece[3].split(b"\n") if line.strip()))
+            yield piece
 
-    monkeypatch.setattr(text_to_shards, "encode_chunk", counted)
+    monkeypatch.setattr(text_to_shards, "pieces", counted)
     assert make(paths, tmp_path / "out", *options, encoding=byte_encoding()) == 0
     assert file_bytes(tmp_path / "out") == whole
     recorded = json.loads(whole[text_to_shards.MANIFEST])["shards"]
     # it went on after the finished shards
-    assert sum(encoded) == 150 - sum(shard["documents"] for shard in recorded[:finished])
-    encoded.clear()
+    assert sum(read) == 150 - sum(shard["documents"] for shard in recorded[:finished])
+    read.clear()
     # all there
-    assert make(paths, tmp_path / "out", *options, encoding=byte_encoding()) == 0 and not encoded
+    assert make(paths, tmp_path / "out", *options, encoding=byte_encoding()) == 0 and not read
 
 
 def test_changed_input_makes_the_shards_again(tmp_path):
@@ -438,22 +442,22 @@ def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
 def test_a_config_or_split_the_card_lacks_is_one_line(tmp_path):
     card = tmp_path / "README.md"
     card.write_text(CARD)
-    patterns = text_to_shards.hub_patterns("someone/corpus", card, "sample-10BT", "train")
+    patterns = hub.card_patterns("someone/corpus", card, "sample-10BT", "train")
     assert patterns == ["sample/10BT/*"]
     unknown_config = r"no config 'nope' \(its configs: default, sample-10BT\)"
-    with pytest.raises(text_to_shards.InputError, match=unknown_config):
-        text_to_shards.hub_patterns("someone/corpus", card, "nope", "train")
+    with pytest.raises(hub.HubError, match=unknown_config):
+        hub.card_patterns("someone/corpus", card, "nope", "train")
     unknown_split = r"has no split 'test' \(it has train\); pass --hub_split"
-    with pytest.raises(text_to_shards.InputError, match=unknown_split):
-        text_to_shards.hub_patterns("someone/corpus", card, None, "test")
-    pattern = text_to_shards.glob_regex("data/*/*.parquet")
+    with pytest.raises(hub.HubError, match=unknown_split):
+        hub.card_patterns("someone/corpus", card, None, "test")
+    pattern = hub.glob_regex("data/*/*.parquet")
     assert pattern.fullmatch("data/CC-MAIN-2024/000.parquet")
     assert not pattern.fullmatch("data/a/b/000.parquet")
-    assert text_to_shards.glob_regex("data/**/*.parquet").fullmatch("data/a/b/000.parquet")
-    some = text_to_shards.glob_regex("sample/10BT/00[0-2]_?.parquet")
+    assert hub.glob_regex("data/**/*.parquet").fullmatch("data/a/b/000.parquet")
+    some = hub.glob_regex("sample/10BT/00[0-2]_?.parquet")
     matched = [some.fullmatch(f"sample/10BT/00{i}_0.parquet") is not None for i in range(4)]
     assert matched == [True, True, True, False]
-    assert not text_to_shards.glob_regex("[!d]*").fullmatch("data")
+    assert not hub.glob_regex("[!d]*").fullmatch("data")
 
 
 # The trainer on the shards -----------------------------------------------------------------------

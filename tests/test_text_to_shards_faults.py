@@ -1,23 +1,32 @@
-"""data/text_to_shards.py when things go wrong around it: a tokenizing worker killed, the run
-stopped by a signal or killed outright, an input changed since its shards were made (or while they
-are made), a pipe or a device given as input. Each is checked against what the user is left with:
-the exit status, the last line, the files and their bytes, and that no process stays behind.
-Runs that a signal must reach are separate processes (slow); the rest run in this process."""
+"""data/text_to_shards.py when things go wrong around it: a tokenizing worker killed, failing or
+stuck, the run stopped by a signal or killed outright, an input changed since its shards were made
+(or while they are made), the swap of new shards for old interrupted at any moment, a pipe or a
+device given as input or found in the output folder, a folder that cannot be listed. Each is
+checked against what the user is left with: the exit status, the last line, the files and their
+bytes, and that no process stays behind. Runs that a signal must reach, or that could hang, are
+separate processes (slow); the rest run in this process.
+
+    python -m pytest tests/test_text_to_shards_faults.py -q"""
+import itertools
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import files
 import numpy as np
 import pytest
+import shards
 import text_to_shards
 import tiktoken
 from helpers import REPO
-from processes import launch_env
-from processes import start_process
+from helpers import launch_env
 
 WORDS = ["the", "speedrun", "na\u00efve", "token", "shard", "d\u00e9j\u00e0", "42"]
 OPTIONS = ["--val_tokens", "300", "--shard_tokens", "5000"]
@@ -37,15 +46,43 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 ranks = {bytes([b]): b for b in range(256)}
 encoding = tiktoken.Encoding("bytes", pat_str=r"\\S+|\\s+", mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256})
-encode_chunk = text_to_shards.encode_chunk
-def slow(documents, text_field):
+encode_pieces = text_to_shards.encode_pieces
+def slow(task, encoding, text_field):
     mark = os.path.join(os.environ["WORKERS_DIR"], str(os.getpid()))
     if not os.path.exists(mark):
         open(mark, "w").close()
     time.sleep(float(os.environ["SLOW"]))
-    return encode_chunk(documents, text_field)
-text_to_shards.encode_chunk = slow
+    return encode_pieces(task, encoding, text_field)
+text_to_shards.encode_pieces = slow
 text_to_shards.CHUNK_BYTES = 300
+sys.exit(text_to_shards.main(sys.argv[1:], encoding=encoding))
+"""
+
+# the command line in a fresh process, whose tokenizer, when HOW says so, cannot finish: it raises
+# what a Rust panic raises (pyo3's PanicException, no Exception), or it is stuck in a C call that
+# holds the GIL, or it waits on nothing; a stuck worker is told after 2 s, not 10
+BROKEN_CHILD = """
+import ctypes, os, sys, threading, tiktoken
+import text_to_shards
+try:
+    import workers
+    workers.STUCK_SECONDS = 2
+except ImportError:
+    pass
+ranks = {bytes([b]): b for b in range(256)}
+encoding = tiktoken.Encoding("bytes", pat_str=r"\\S+|\\s+", mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256})
+class PanicException(BaseException):
+    pass
+def broken(*args, **kwargs):
+    if os.environ["HOW"] == "panics":
+        raise PanicException("memory allocation of 5795635 bytes failed")
+    if os.environ["HOW"] == "is stuck holding the GIL":
+        ctypes.PyDLL(None).pause()
+    threading.Event().wait()
+if os.environ["HOW"]:
+    encoding.encode_ordinary = broken
+    encoding.encode_to_numpy = broken
 sys.exit(text_to_shards.main(sys.argv[1:], encoding=encoding))
 """
 
@@ -77,17 +114,33 @@ def file_bytes(folder):
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
 
 
+# the processes a test started, each in a session of its own: killed when the test ends
+STARTED = []
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running():
+    yield
+    for process in STARTED:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.communicate()
+    STARTED.clear()
+
+
 def start(paths, out, tmp_path, workers=2, slow=0.05):
-    """The command line in its own process and session, slowed down (its group killed at the
-    latest when the session ends, should the test fail first); (process, folder of worker
-    pids)."""
+    """The command line in its own process and session, slowed down (its group killed when the
+    test ends, should it fail first); (process, folder of worker pids)."""
     workers_dir = tmp_path / f"workers{time.monotonic_ns()}"
     workers_dir.mkdir()
     env = launch_env(PYTHONPATH=str(REPO / "data"), WORKERS_DIR=str(workers_dir), SLOW=str(slow))
     command = [sys.executable, "-c", CHILD, *map(str, paths), "--out", str(out), "--name",
                "corpus", "--workers", str(workers), *OPTIONS]
-    process = start_process(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    STARTED.append(process)
     return process, workers_dir
 
 
@@ -261,7 +314,7 @@ def test_a_changed_input_is_made_beside_the_old_dataset_then_swapped_in(tmp_path
     assert make(paths, tmp_path / "fresh") == 0
     fresh = file_bytes(tmp_path / "fresh")
     assert fresh != whole
-    rename = text_to_shards.ShardWriter.rename
+    rename = shards.ShardWriter.rename
     renamed = []
 
     def interrupted_rename(writer, shard):
@@ -270,10 +323,10 @@ def test_a_changed_input_is_made_beside_the_old_dataset_then_swapped_in(tmp_path
         renamed.append(shard.name)
         rename(writer, shard)
 
-    monkeypatch.setattr(text_to_shards.ShardWriter, "rename", interrupted_rename)
+    monkeypatch.setattr(shards.ShardWriter, "rename", interrupted_rename)
     assert make(paths, out) == 130
     assert file_bytes(out) == whole
-    monkeypatch.setattr(text_to_shards.ShardWriter, "rename", rename)
+    monkeypatch.setattr(shards.ShardWriter, "rename", rename)
     assert make(paths, out) == 0
     assert file_bytes(out) == fresh
     assert sorted(path.name for path in out.iterdir()) == sorted(fresh)
@@ -359,11 +412,11 @@ def test_a_device_as_input_is_refused_in_one_line(tmp_path, capsys):
 def test_a_worker_that_fails_ends_the_run_in_one_line(tmp_path, corpus, capsys, monkeypatch):
     paths, whole = corpus
 
-    def out_of_memory(documents, text_field):
+    def out_of_memory(task, encoding, text_field):
         raise MemoryError("cannot allocate")
 
     # the forked workers run the patched function
-    monkeypatch.setattr(text_to_shards, "encode_chunk", out_of_memory)
+    monkeypatch.setattr(text_to_shards, "encode_pieces", out_of_memory)
     assert make(paths, tmp_path / "out", workers=2) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: a tokenizing worker failed (MemoryError: cannot allocate)"), last
@@ -387,7 +440,7 @@ def test_a_lock_held_by_what_a_dead_run_left_says_what_to_stop(tmp_path, capsys)
     try:
         assert holder.stdout.readline() == "held\n"
         owner = {"host": socket.gethostname(), "pid": int(ended.stdout)}
-        (out / ".text_to_shards.owner").write_text(json.dumps(owner))
+        (out / files.OWNER).write_text(json.dumps(owner))
         write_corpus(tmp_path / "a.jsonl", 20)
         assert make([tmp_path / "a.jsonl"], out) == 1
         last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -397,3 +450,200 @@ def test_a_lock_held_by_what_a_dead_run_left_says_what_to_stop(tmp_path, capsys)
     finally:
         holder.kill()
         holder.wait()
+
+
+def run_broken(paths, out, how="", workers=2, timeout=60):
+    """BROKEN_CHILD on the inputs, in a session of its own: (the finished process, its process
+    group). A run still going after `timeout` seconds fails the test."""
+    env = launch_env(PYTHONPATH=str(REPO / "data"), HOW=how)
+    command = [sys.executable, "-c", BROKEN_CHILD, *map(str, paths), "--out", str(out), "--name",
+               "corpus", "--workers", str(workers), *OPTIONS]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    STARTED.append(process)
+    try:
+        out_text, err_text = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {timeout} s on") from None
+    return subprocess.CompletedProcess(command, process.returncode, out_text, err_text), process.pid
+
+
+def group_alive(group):
+    """Whether a process of process group `group` is alive (a zombie is not), within 5 s."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        members = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == group and fields[0] != "Z":
+                members.append(stat)
+        if not members:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# Stuck is not dead -------------------------------------------------------------------------------
+@needs_proc
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("how", ["panics", "is stuck holding the GIL", "is stuck waiting"])
+def test_a_worker_that_cannot_finish_ends_the_run_in_one_line_within_seconds(tmp_path, corpus,
+                                                                             how, workers):
+    paths, whole = corpus
+    out = tmp_path / "out"
+    began = time.monotonic()
+    result, group = run_broken(paths, out, how, workers)
+    assert time.monotonic() - began < 20
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    if how == "panics":
+        expected = r"error: a tokenizing worker failed \(PanicException: memory allocation"
+    else:
+        expected = r"error: a tokenizing worker \(pid \d+\) stopped answering \(no progress in 2 s"
+    assert re.match(expected, last), last
+    assert f"rerun with fewer --workers (this run had {workers})" in last
+    assert not group_alive(group)
+    # nothing was written: no shard, no temporary file
+    assert not [path for path in out.iterdir() if path.suffix in (".bin", ".tmp")]
+
+
+# Every path checked before it is opened ----------------------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["text_to_shards.json", "corpus_train_000002.bin",
+                                   ".text_to_shards.next/text_to_shards.json"])
+def test_a_pipe_in_the_output_folder_is_one_line_not_a_hang(tmp_path, corpus, where):
+    paths, whole = corpus
+    out = tmp_path / "out"
+    (out / ".text_to_shards.next").mkdir(parents=True)
+    for name, content in whole.items():
+        (out / name).write_bytes(content)
+    (out / where).unlink(missing_ok=True)
+    os.mkfifo(out / where)
+    result, _ = run_broken(paths, out, timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"error: {out / where}: a pipe, not a regular file: move it "
+                                     "away, or pick another --out")
+    # nothing was opened, replaced or deleted
+    assert (out / where).is_fifo()
+    assert {name: content for name, content in file_bytes(out).items()} == {
+        name: content for name, content in whole.items() if name != where}
+
+
+@pytest.mark.parametrize("what", ["a folder that cannot be listed", "a link to nowhere"])
+def test_what_an_input_folder_holds_that_cannot_be_read_is_one_line_never_skipped(
+        tmp_path, monkeypatch, capsys, what):
+    folder = tmp_path / "in"
+    for seed, part in enumerate("abc"):
+        (folder / part).mkdir(parents=True)
+        write_corpus(folder / part / "part.jsonl", 10, seed=seed)
+    if what == "a folder that cannot be listed":
+        # as for a user without the right to list it: os.scandir is what glob and rglob call too
+        scandir = os.scandir
+
+        def denied(path="."):
+            if Path(path) == folder / "b":
+                raise PermissionError(13, "Permission denied", str(path))
+            return scandir(path)
+
+        monkeypatch.setattr(os, "scandir", denied)
+        expected = f"error: {folder / 'b'}: cannot list it (Permission denied)"
+    else:
+        os.symlink(tmp_path / "moved_away.jsonl", folder / "b" / "link.jsonl")
+        expected = f"error: {folder / 'b' / 'link.jsonl'}: a link to a file that does not exist"
+    assert make([folder], tmp_path / "out") == 1
+    assert capsys.readouterr().err.strip() == expected
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.bin"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may list any folder")
+def test_an_input_folder_without_the_right_to_list_it_is_one_line(tmp_path, capsys):
+    folder = tmp_path / "in"
+    for part in "ab":
+        (folder / part).mkdir(parents=True)
+        write_corpus(folder / part / "part.jsonl", 10)
+    (folder / "b").chmod(0)
+    try:
+        assert make([folder], tmp_path / "out") == 1
+    finally:
+        (folder / "b").chmod(0o755)
+    assert capsys.readouterr().err.strip() == (f"error: {folder / 'b'}: cannot list it "
+                                               "(Permission denied)")
+
+
+# A swap of new shards for old, interrupted at any moment -----------------------------------------
+def shards_of(folder):
+    """The shard files and the shards the record lists (its stamps change as the inputs' times
+    do)."""
+    listed = json.loads((folder / text_to_shards.MANIFEST).read_text())["shards"]
+    return {path.name: path.read_bytes() for path in folder.glob("*.bin")}, listed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rerun", ["the same inputs", "inputs changed again, with a bad line"])
+def test_a_swap_interrupted_at_any_moment_is_finished_by_the_next_run(tmp_path, monkeypatch,
+                                                                       capsys, rerun):
+    paths = [write_corpus(tmp_path / "a.jsonl", 40, seed=1),
+             write_corpus(tmp_path / "b.jsonl", 40, seed=2)]
+    assert make(paths, tmp_path / "old") == 0
+    # the changed inputs make fewer shards: the swap moves some and deletes the others
+    write_corpus(paths[1], 10, seed=3)
+    assert make(paths, tmp_path / "fresh") == 0
+    fresh = shards_of(tmp_path / "fresh")
+    assert len(fresh[0]) < len(list((tmp_path / "old").glob("*.bin")))
+    changed = paths[1].read_bytes()
+    replace = os.replace
+    unlink = os.unlink
+    rmtree = shutil.rmtree
+    for moment in itertools.count():
+        out = tmp_path / f"out{moment}"
+        shutil.copytree(tmp_path / "old", out)
+        staged = out / ".text_to_shards.next" / text_to_shards.MANIFEST
+        steps = []
+
+        def step(operation):
+            def interrupted(*args, **kwargs):
+                # once the new shards are complete, each change to the folders is a moment; the
+                # run is interrupted once, before the change of this moment
+                if staged.exists() and json.loads(staged.read_text()).get("complete"):
+                    steps.append(args[0])
+                    if len(steps) == moment + 1:
+                        raise KeyboardInterrupt
+                return operation(*args, **kwargs)
+            return interrupted
+
+        monkeypatch.setattr(os, "replace", step(replace))
+        monkeypatch.setattr(os, "unlink", step(unlink))
+        monkeypatch.setattr(shutil, "rmtree", step(rmtree))
+        status = make(paths, out)
+        monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(os, "unlink", unlink)
+        monkeypatch.setattr(shutil, "rmtree", rmtree)
+        if status == 0:
+            # past the last moment: the swap went through
+            assert moment > 3 and shards_of(out) == fresh
+            break
+        assert status == 130
+        capsys.readouterr()
+        if rerun == "the same inputs":
+            assert make(paths, out) == 0
+        else:
+            paths[1].write_bytes(changed + b'{"text": unquoted}\n')
+            assert make(paths, out) == 1
+            paths[1].write_bytes(changed)
+        err = capsys.readouterr().err
+        # whatever the moment, the new shards are in place, whole, and said to be
+        assert shards_of(out) == fresh, (moment, steps)
+        assert not (out / ".text_to_shards.next").exists()
+        if moment < len(fresh[0]):
+            assert f"{out} now holds the new shards only" in err, err
+        if rerun != "the same inputs":
+            last = err.strip().splitlines()[-1]
+            assert last.startswith(f"error: {paths[1]}: line 11: not valid JSON"), last
+            assert last.endswith(f"the shards in {out} are kept as they were, made from the "
+                                 "inputs before they changed"), last
+

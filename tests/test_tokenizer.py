@@ -1,8 +1,14 @@
-"""GPT-2's encoding built from a local ranks file, as the offline tools build it."""
+"""GPT-2's encoding built from a local ranks file, as the offline tools build it.
+
+    python -m pytest tests/test_tokenizer.py -q"""
+import os
+import sys
 from pathlib import Path
 
 import gpt2_tokenizer
 import pytest
+from helpers import launch_env
+from helpers import run_process
 
 REPO = Path(__file__).resolve().parent.parent
 RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
@@ -22,7 +28,7 @@ def test_ranks_file_gives_gpt2_ids():
 
 
 def test_missing_or_foreign_ranks_file_is_one_clear_error(tmp_path):
-    with pytest.raises(gpt2_tokenizer.TokenizerError, match="cannot read it"):
+    with pytest.raises(gpt2_tokenizer.TokenizerError, match="absent.tiktoken: no such file"):
         gpt2_tokenizer.gpt2_encoding(tmp_path / "absent.tiktoken")
     small = tmp_path / "small.tiktoken"
     small.write_text("YQ== 0\nYg== 1\n")  # two ranks: some other, tiny BPE
@@ -32,3 +38,19 @@ def test_missing_or_foreign_ranks_file_is_one_clear_error(tmp_path):
     garbage.write_text("this is not a ranks file\n")
     with pytest.raises(gpt2_tokenizer.TokenizerError, match="not a tiktoken ranks file"):
         gpt2_tokenizer.gpt2_encoding(garbage)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_as_ranks_file_is_one_clear_error_without_waiting_on_it(tmp_path):
+    """In a process of its own: opening the pipe would wait for a writer forever."""
+    pipe = tmp_path / "gpt2.tiktoken"
+    os.mkfifo(pipe)
+    code = ("import sys, gpt2_tokenizer\n"
+            "try:\n"
+            "    gpt2_tokenizer.gpt2_encoding(sys.argv[1])\n"
+            "except gpt2_tokenizer.TokenizerError as e:\n"
+            "    print(e)\n")
+    result = run_process([sys.executable, "-c", code, str(pipe)], 30,
+                         env=launch_env(PYTHONPATH=str(REPO / "data")))
+    assert result.stdout == f"--tokenizer {pipe}: a pipe, not a regular file\n", result.stderr
+
