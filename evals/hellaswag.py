@@ -366,10 +366,12 @@ def result_line(acc_norm, acc, n):
 
 
 def logged_source():
-    """The source of the code that scores (this file, common.py, the tokenizer's), each after a
-    line that names it: what the trainer's log embeds after its own source."""
+    """The source of the code that scores (this file, common.py, the tokenizer's and the file
+    checks it uses), each after a line naming it: what the trainer's log embeds after its own."""
+    tokenizer = common.gpt2_tokenizer
+    sources = (__file__, common.__file__, tokenizer.__file__, tokenizer.files.__file__)
     parts = []
-    for path in (Path(__file__), Path(common.__file__), Path(common.gpt2_tokenizer.__file__)):
+    for path in map(Path, sources):
         path = path.resolve()
         name = path.relative_to(common.REPO).as_posix()
         parts.append(f"\n{'-' * 100}\n# {name}, which scored --hellaswag\n{path.read_text()}")

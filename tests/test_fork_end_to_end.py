@@ -280,7 +280,8 @@ def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(
     # the trainer's source, then the scorer's, each file named, then the line of 100 '='
     source_end = text.index("\n" + "=" * 100 + "\n")
     assert text.startswith((REPO / "train_gpt.py").read_text())
-    for name in ("evals/hellaswag.py", "evals/common.py", "data/gpt2_tokenizer.py"):
+    scorers = ("evals/hellaswag.py", "evals/common.py", "data/gpt2_tokenizer.py", "data/files.py")
+    for name in scorers:
         header = f"\n{'-' * 100}\n# {name}, which scored --hellaswag\n"
         at = text.index(header)
         assert at < source_end
