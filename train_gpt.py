@@ -1042,16 +1042,27 @@ def check_fused_head(model, option, log):
 # --------------------------------------------------------------------------------------------------
 # Checks: the launch, the options, the device
 
-# What torchrun sets for each process. Left over in a shell, they make a process a rank of no run:
-# RANK=1 trains with no log and wrong Muon updates; WORLD_SIZE=2 waits 30 minutes for a second.
+# What torchrun sets for each process, TORCHELASTIC_* beside them. Left over in a shell, they make a
+# process a rank of no run: RANK=1 trains with no log and wrong Muon updates; WORLD_SIZE=2 waits
+# for a second process that never comes.
 LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                    "MASTER_PORT"]
+                    "MASTER_PORT", "TORCHELASTIC_RUN_ID"]
 
 def check_launch_environment():
-    """torchrun's agent sets TORCHELASTIC_RUN_ID with the variables above, for every worker: without
-    it, any of them is a leftover, refused on every process before anything waits for another."""
+    """A process torchrun started has all of these, and its agent answers at MASTER_ADDR and
+    MASTER_PORT: any other mix is a leftover in a shell, refused on every process before anything
+    waits."""
     found = [name for name in LAUNCH_VARIABLES if name in os.environ]
-    if found and "TORCHELASTIC_RUN_ID" not in os.environ:
+    found += sorted(name for name in os.environ if name.startswith("TORCHELASTIC_")
+                    and name not in found)
+    launched = all(name in os.environ for name in LAUNCH_VARIABLES)
+    if launched and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        try:
+            address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            socket.create_connection(address, timeout=10).close()
+        except (OSError, ValueError):
+            launched = False
+    if found and not launched:
         settings = " ".join(f"{name}={shlex.quote(os.environ[name])}" for name in found)
         raise UserError(f"{settings} set in the environment, but this process was not started by "
                         f"torchrun: for one process, `unset {' '.join(found)}` first; for several, "

@@ -4,6 +4,7 @@ no process left behind. The shared functions live in tests/helpers.py and tests/
 (started processes), which test modules import."""
 import gc
 import signal
+import socket
 
 import pytest
 from processes import WARM_PYTHON
@@ -57,6 +58,22 @@ def no_hang():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def torchrun_worker(monkeypatch):
+    """Makes this process look like a worker torchrun started, its agent answering on a port of the
+    test's own; with the given variables (RANK=1, say) over those of a 1-process launch."""
+    agent = socket.create_server(("127.0.0.1", 0))
+
+    def launched(**variables):
+        torchrun = dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=agent.getsockname()[1],
+                        TORCHELASTIC_RUN_ID="test", TORCHELASTIC_USE_AGENT_STORE="True")
+        for name, value in dict(torchrun, **variables).items():
+            monkeypatch.setenv(name, str(value))
+    yield launched
+    agent.close()
 
 
 def stop_as_on_ctrl_c(signum, frame):

@@ -306,9 +306,10 @@ def test_a_bad_byte_is_reported_with_its_line(checkpoint, tmp_path, capsys):
 
 
 def test_under_torchrun_the_error_line_is_left_in_its_error_file(checkpoint, data, tmp_path,
-                                                                  capsys, monkeypatch):
+                                                                  capsys, monkeypatch,
+                                                                  torchrun_worker):
     error_file = tmp_path / "error.json"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    torchrun_worker()
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     assert hellaswag.main([str(checkpoint), "--data", str(data), "--limit", "0"]) == 1
     line = one_error_line(capsys)

@@ -14,12 +14,10 @@ def test_a_gpu_without_bf16_is_refused_at_start_up(capsys, monkeypatch, markov_s
     assert "Tesla V100-SXM2-16GB has no bf16 support" in err and "Ampere" in err
 
 
-def test_more_processes_than_gpus_is_refused(capsys, monkeypatch, markov_shards):
+def test_more_processes_than_gpus_is_refused(capsys, monkeypatch, markov_shards, torchrun_worker):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    # as under torchrun, which also sets TORCHELASTIC_RUN_ID
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    torchrun_worker(WORLD_SIZE=8, LOCAL_WORLD_SIZE=8)
     err = run_main(capsys, "--preset", "smoke", "--batch_size", "8192",
                    "--train_files", markov_shards[0], "--val_files", markov_shards[1])
     assert "8 processes" in err and "--nproc_per_node=2" in err

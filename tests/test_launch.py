@@ -33,6 +33,8 @@ needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees 
 @pytest.mark.parametrize("leftovers", [
     {"RANK": "1"}, {"WORLD_SIZE": "2"}, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"},
     {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"},
+    # torchrun's own id alone, or with a world: no other variable is trusted for it
+    {"TORCHELASTIC_RUN_ID": "a1b2"}, {"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "a1b2"},
 ])
 def test_torchrun_variables_left_in_a_shell_are_one_line_naming_them(leftovers, tmp_path, capsys,
                                                                      monkeypatch):
@@ -54,6 +56,17 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_whole_workers_environment_left_in_a_shell_is_refused_when_no_agent_answers(
+        tmp_path, capsys, torchrun_worker):
+    """Every variable torchrun gives a worker (copied from one, say), but no torchrun agent at
+    MASTER_ADDR:MASTER_PORT: a leftover too, refused in seconds, never a wait."""
+    torchrun_worker(WORLD_SIZE=2, MASTER_PORT=free_port())
+    assert train_gpt.main([*TINY_RUN, "--log_dir", str(tmp_path / "logs")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 ")
+    assert "but this process was not started by torchrun" in err and err.count("\n") == 1
 
 
 def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for_the_second(
@@ -84,15 +97,12 @@ def test_a_world_of_two_without_torchrun_ends_in_seconds_rather_than_waiting_for
 # node has the checkpoints, and a node without them says so on its own console
 @pytest.mark.parametrize("rank,local_rank,prints", [(2, 0, True), (3, 1, False), (0, 0, True)])
 def test_a_missing_resume_file_is_named_on_each_node(rank, local_rank, prints, tmp_path, capsys,
-                                                     monkeypatch):
-    launched = dict(TORCHELASTIC_RUN_ID="test", RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=4,
-                    LOCAL_WORLD_SIZE=2)
-    for name, value in launched.items():
-        monkeypatch.setenv(name, str(value))
+                                                     torchrun_worker):
+    torchrun_worker(RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2)
     missing = tmp_path / "state_step000800.pt"
     assert train_gpt.main(["--resume", str(missing), "--log_dir", str(tmp_path / "logs")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --resume {str(missing)!r} ") == prints
+    assert err.startswith(f"error: --resume {str(missing)!r}: cannot read it ") == prints
     assert err.count("\n") == prints
 
 

@@ -199,11 +199,9 @@ def test_windows_that_pass_the_check_hold_a_block_at_every_step(start, end):
     ],
 )
 def test_batch_sizes_that_do_not_divide_among_the_processes_are_refused(
-    tmp_path, capsys, monkeypatch, world_size, argv, words
+    tmp_path, capsys, torchrun_worker, world_size, argv, words
 ):
-    # as under torchrun, which also sets TORCHELASTIC_RUN_ID
-    monkeypatch.setenv("WORLD_SIZE", world_size)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    torchrun_worker(WORLD_SIZE=world_size)
     argv = ["--preset", "smoke", "--log_dir", str(tmp_path / "logs"), *argv]
     check_hyperparameters(parse_args(argv))
     assert train_gpt.main(argv) == 1
