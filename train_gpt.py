@@ -822,6 +822,7 @@ def train(args, checkpoint=None):
 
 import argparse
 import collections
+import datetime
 import filecmp
 import hashlib
 import importlib.metadata
@@ -837,6 +838,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 import uuid
 import zipfile
@@ -1123,11 +1125,15 @@ def setup_device():
     torch.cuda.set_device(device)
     return rank, world_size, device
 
+# how long a collective waits for the other processes: a process that stops answering (frozen, or
+# its node off the network) ends the run with an error on the others, not half an hour of silence
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
 def start_process_group(device):
     if device.type == "cuda":
-        dist.init_process_group(backend="nccl", device_id=device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=COLLECTIVE_TIMEOUT)
     else:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 def check_batch_plan(args, world_size):
     """The global batch must divide among the processes, and each share into micro-batches."""
@@ -1657,29 +1663,65 @@ SOURCE = Path(__file__).read_bytes()
 SOURCE_SHA256 = hashlib.sha256(SOURCE).hexdigest()
 SCRIPT = os.path.realpath(__file__)
 
+def grace_seconds():
+    """How long torchrun gives its workers after a stop signal before it kills them: what run.sh
+    or the user set, read by torch 2.12 and later; 30 s before."""
+    if tuple(map(int, re.findall(r"\d+", torch.__version__)[:2])) < (2, 12):
+        return 30.0
+    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
+
 class CleanStop(contextlib.AbstractContextManager):
     """A stop signal (SIGTERM, SIGINT, SIGHUP) in train(), or rank 0's log failing, sets a flag.
     Every STOP_CHECK_EVERY steps the ranks all-reduce it on a CPU group and read the result at the
-    next exchange: no host wait, no device sync, and all ranks stop after the same step."""
-    def __init__(self, world_size, log):
+    next exchange: no host wait, no device sync, and all ranks stop after the same step. With
+    several processes, a thread woken by the signal calls stuck(signal) if the run has not ended 5 s
+    before torchrun's grace period does (the main thread waits for a process that does not answer,
+    say): its stop line comes before torchrun's kill."""
+    def __init__(self, world_size, log, stuck=None):
         self.log = log
         self.received = 0
         self.pending = (torch.tensor(0), None)
         self.group = None
+        self.ended = threading.Event()
         if world_size > 1:
-            self.group = dist.new_group(backend="gloo")
+            self.group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
         # SIGHUP (a closed ssh session) where it exists, unless ignored: under nohup it is harmless
         signums = [signal.SIGTERM, signal.SIGINT]
         hangup = getattr(signal, "SIGHUP", None)
         if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
             signums.append(hangup)
         self.previous = {signum: signal.signal(signum, self._on_signal) for signum in signums}
+        self.wakeup = None
+        if stuck is not None and world_size > 1:
+            # the signal's number, written to the pipe whatever the main thread is doing
+            read_end, self.write_end = os.pipe()
+            os.set_blocking(self.write_end, False)
+            self.wakeup = signal.set_wakeup_fd(self.write_end, warn_on_full_buffer=False)
+            watch = threading.Thread(target=self._watch, args=(read_end, signums, stuck))
+            watch.daemon = True
+            watch.start()
 
     def _on_signal(self, signum, frame):
         if not self.received:
             self.received = signum
 
+    def _watch(self, read_end, signums, stuck):
+        signum = None
+        with os.fdopen(read_end, "rb", buffering=0) as wakeups:
+            while signum not in signums:
+                byte = wakeups.read(1)
+                # the run has ended: its end of the pipe is closed
+                if not byte:
+                    return
+                signum = byte[0]
+        if not self.ended.wait(max(1.0, grace_seconds() - 5)):
+            stuck(signum)
+
     def __exit__(self, kind, error, traceback):
+        self.ended.set()
+        if self.wakeup is not None:
+            signal.set_wakeup_fd(self.wakeup)
+            os.close(self.write_end)
         # a failing rank keeps this handler while it writes its last lines: torchrun SIGTERMs all
         if error is not None and self.group is not None:
             return
@@ -1869,7 +1911,7 @@ class Run(contextlib.AbstractContextManager):
         with contextlib.ExitStack() as stack:
             self.log = stack.enter_context(RunLog(args, self.master, self.hellaswag))
             stack.enter_context(out_of_memory_as_error(micro_batch))
-            self.stop = stack.enter_context(CleanStop(self.world_size, self.log))
+            self.stop = stack.enter_context(CleanStop(self.world_size, self.log, self.stuck))
             self.group = self.stop.group
             self.log.header(args, self.world_size, self.device, loaders, passes, notes)
             self.exits = stack.pop_all()
@@ -2090,27 +2132,39 @@ class Run(contextlib.AbstractContextManager):
             scores = self.hellaswag.score(model, self.args, self.log, self.stop)
             self.stopping, self.stop_signal = scores
 
-    def log_stop(self):
+    def log_stop(self, during=False):
         """The last line of the log and of stderr: which signal stopped the run, or the log's
-        failure, and how to go on (from an earlier checkpoint where the stop's own failed)."""
+        failure, after (or during, when it did not end in time) which step, and how to go on."""
         log = self.log
         if not self.master:
             return
         how = "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
-        if self.saved:
-            how = f"resume with: {resume_command(self.saved, self.world_size)}"
-        elif log.unsaved_step == self.step:
-            how = "its checkpoint could not be written (see the warning above), nor any before it"
-            if log.checkpoints:
-                last_step, last = log.checkpoints[-1]
-                how = (f"its checkpoint could not be written (see the warning above): from step "
-                       f"{last_step}, resume with: {resume_command(last, self.world_size)}")
+        if log.checkpoints:
+            last_step, last = log.checkpoints[-1]
+            how = f"resume with: {resume_command(last, self.world_size)}"
+            if during or last_step != self.step:
+                how = f"from step {last_step}, {how}"
+        if log.unsaved_step == self.step and not during:
+            how = f"its checkpoint could not be written (see the warning above): {how}"
+            if not log.checkpoints:
+                how = ("its checkpoint could not be written (see the warning above), nor any "
+                       "before it")
+        when = f"after step {self.step}"
+        if during:
+            when = f"during step {self.step}, which did not end within torchrun's grace period"
         stopped_by = f"error: {log.failure}: stopped"
         if not log.failure:
             stopped_by = f"stopped by {signal.Signals(self.stop_signal).name}"
-        line = f"{stopped_by} after step {self.step}; {how}"
+        line = f"{stopped_by} {when}; {how}"
         log(line, console=sys.stderr)
         tell_launcher(line, self.exit_code)
+
+    def stuck(self, signum):
+        """The stop line of a step that did not end in time (CleanStop's watch), then the exit."""
+        self.stop_signal = signum
+        self.stopping = True
+        self.log_stop(during=True)
+        os._exit(self.exit_code)
 
     @property
     def exit_code(self):

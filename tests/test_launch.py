@@ -406,3 +406,77 @@ def test_once_the_console_has_gone_any_later_print_to_it_goes_nowhere():
         train_gpt.to_console("the first line that finds no reader", console)
         # anyone's print, not only the trainer's: Python's own flush at exit is one
         print("a later line", file=console, flush=True)
+
+
+# rank 1 freezes (SIGSTOP) as step 2 begins, as a process that stops answering without dying;
+# argv[1]: the collectives' timeout in seconds
+FROZEN_RANK_WORKER = """import datetime, os, signal, sys
+import train_gpt
+train_gpt.COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(sys.argv.pop(1)))
+agreed = train_gpt.CleanStop.agreed
+def frozen_rank_1(self, step):
+    if step == 2 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return agreed(self, step)
+train_gpt.CleanStop.agreed = frozen_rank_1
+sys.exit(train_gpt.main())
+"""
+
+
+def frozen_rank_run(markov_shards, tmp_path, timeout, grace):
+    """torchrun on 2 processes of FROZEN_RANK_WORKER, torchrun's grace period `grace` seconds."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(FROZEN_RANK_WORKER)
+    options = tiny(markov_shards, tmp_path / "logs", "--num_iterations", "20",
+                   "--val_loss_every", "0", "--checkpoint_every", "0")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", str(worker), str(timeout), *options]
+    env = launch_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+                     TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
+    return started(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                   text=True)
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_ends_the_run_with_an_error_on_the_others(markov_shards,
+                                                                             tmp_path):
+    """Rank 1 frozen: rank 0 waits in its collective for the timeout (2 s here; minutes in a real
+    run, not half an hour), then ends with its error and its traceback, in its log too. (torchrun
+    then takes 30 s to kill the frozen rank: not waited for here.)"""
+    with frozen_rank_run(markov_shards, tmp_path, timeout=2, grace=2) as proc:
+        for line in proc.stdout:
+            if line.startswith("step:2/20 train_loss:"):
+                break
+        began = time.monotonic()
+        for line in proc.stderr:
+            if line.startswith("[rank0]: RuntimeError: "):
+                break
+        waited = time.monotonic() - began
+    assert "imed out" in line and waited < 30, (line, waited)
+    last = finished_log(tmp_path / "logs").read_text().splitlines()[-1]
+    assert last.startswith("RuntimeError: ") and "imed out" in last, last
+
+
+@pytest.mark.slow
+def test_a_stop_while_a_rank_is_frozen_writes_its_stop_line_before_the_grace_period_ends(
+        markov_shards, tmp_path):
+    """Rank 1 frozen, rank 0 waiting in its collective (for minutes): SIGTERM to torchrun, whose
+    grace period is 6 s here. Rank 0 writes its stop line within it, naming the step that did not
+    end, and leaves with 128 + SIGTERM."""
+    with frozen_rank_run(markov_shards, tmp_path, timeout=300, grace=6) as proc:
+        for line in proc.stdout:
+            if line.startswith("step:1/20 train_loss:"):
+                break
+        # rank 0 is in step 2's collective by now
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        for line in proc.stderr:
+            if line.startswith("stopped by "):
+                break
+        waited = time.monotonic() - signalled
+    last = finished_log(tmp_path / "logs").read_text().splitlines()[-1]
+    assert last == ("stopped by SIGTERM during step 2, which did not end within torchrun's grace "
+                    "period; no checkpoint was written (--checkpoint_every N or --save_checkpoint "
+                    "true write one)")
+    assert line.strip() == last and waited < 6, waited
