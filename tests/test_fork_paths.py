@@ -8,9 +8,11 @@ compile cache. Fast, nothing compiled: `python -m pytest tests/test_fork_paths.p
 """
 import ast
 import dataclasses
+import hashlib
 import inspect
 import re
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,8 +264,11 @@ def fork_with_one_more_option(monkeypatch, declared):
 
 
 def saved_checkpoint(path, args):
-    """What load_checkpoint reads of a checkpoint: its options and its train shards."""
-    torch.save(dict(args=dataclasses.asdict(args), train_shards=[], step=4), path)
+    """What load_checkpoint reads of a checkpoint: its options, its train shards, and the digest of
+    the script that wrote it (this one)."""
+    digest = hashlib.sha256(Path(train_gpt.__file__).read_bytes()).hexdigest()
+    torch.save(dict(args=dataclasses.asdict(args), train_shards=[], step=4, source_sha256=digest),
+               path)
     return str(path)
 
 
@@ -312,7 +317,7 @@ def test_a_resumed_run_refuses_a_change_of_exactly_the_fixed_options(monkeypatch
     args = train_gpt.parse_args(["--preset", "smoke"])
     path = saved_checkpoint(tmp_path / "state.pt", args)
     for f in fields(Hyperparameters):
-        if f.name == "resume":
+        if f.name in ("resume", "accept_other_script"):
             continue
         old = getattr(args, f.name)
         new = other_value(old)

@@ -386,3 +386,21 @@ def test_compiled_mask_and_attention_match_the_token_by_token_definition_in_one_
             torch.testing.assert_close(with_eager_mask, expected, rtol=1e-5, atol=1e-5,
                                        msg=f"mask built outside, window {window}")
     assert backend.frames == 1
+
+
+def test_inside_a_compiled_region_mask_mod_is_record_18s_document_causal_test(monkeypatch):
+    """Built as the compiled model builds it, the mask's per-token test is record 18's (causal, one
+    document): the window is the block lists' alone, which the compiled tests above check against
+    the dense mask. Built outside, it holds the window too, as uncompiled FlexAttention needs."""
+    tokens = layout("one_document", length=4 * BLOCK_SIZE)
+    window_blocks = torch.tensor(1, dtype=torch.int32)
+    # same document, causal, three blocks apart: outside a window of one block
+    q, k = torch.tensor(3 * BLOCK_SIZE + 5), torch.tensor(7)
+    outside = build_block_mask(tokens, window_blocks)
+    assert not outside.mask_mod(0, 0, q, k) and outside.mask_mod(0, 0, k, k)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    inside = build_block_mask(tokens, window_blocks)
+    assert inside.mask_mod(0, 0, q, k) and not inside.mask_mod(0, 0, k, q)
+    # the lists are the same: only the per-token test differs
+    lists = [(a, b) for a, b in zip(inside.as_tuple(), outside.as_tuple()) if torch.is_tensor(a)]
+    assert len(lists) == 8 and all(torch.equal(a, b) for a, b in lists)

@@ -196,6 +196,25 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
     assert losses[8] < expected[4] - 0.5
 
 
+def test_a_checkpoint_of_the_format_before_resumes_to_identical_losses(reference, tmp_path):
+    """The step-4 checkpoint written as the trainer wrote them before Muon had a state_dict: Adam's
+    state under "adam", Muon's momenta by parameter name under "muon"; resumed, the run ends with
+    the losses of the run not interrupted."""
+    expected, checkpoints = reference
+    state = torch.load(checkpoints[0], weights_only=True)
+    adam, muon = state.pop("optimizers")
+    with torch.device("meta"):
+        model = train_gpt.GPT(50304, 6, 1, 16)
+    # Muon's matrices in its order: the block matrices grouped by (sorted) shape, largest first
+    names = [name for name, p in model.blocks.named_parameters(prefix="blocks") if p.ndim == 2]
+    shapes = {name: tuple(sorted(p.shape)) for name, p in model.named_parameters()}
+    order = sorted(names, key=lambda name: (-shapes[name][0] * shapes[name][1], shapes[name]))
+    momenta = {name: muon["state"][i]["momentum_buffer"] for i, name in enumerate(order)}
+    torch.save(dict(state, adam=adam, muon=momenta), tmp_path / "before.pt")
+    losses = resumed_losses(tmp_path / "before.pt", tmp_path / "resumed")
+    assert losses == {step: loss for step, loss in expected.items() if step >= 4}
+
+
 def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_accepted(
         reference, tmp_path, capsys):
     """The final checkpoint, as a fork would have written it: refused in one line naming both
