@@ -79,8 +79,7 @@ MICRO_BATCH = (lambda v, args: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
                f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536")
 # the window, interpolated between its two ends, must hold a whole block at every step
 WINDOW = (lambda v, args: v >= BLOCK_SIZE, f"at least {BLOCK_SIZE} tokens (one attention block)")
-GPT2_VOCAB = (lambda v, args: v > EOT,
-              f"at least {EOT + 1}: GPT-2 token ids go up to {EOT} (end of text)")
+GPT2_VOCAB = (lambda v, args: v > EOT, f"at least {EOT + 1}: GPT-2 token ids go up to {EOT} (end of text)")
 U_NET_DEPTH = (lambda v, args: v >= 6 and v % 2 == 0,
                "even, at least 6 (U-net halves, 3+3 value-embedded layers)")
 FOLDER = (lambda v, args: v != "" and not os.path.isfile(v),
@@ -187,17 +186,14 @@ class Hyperparameters:
     # fused head: logits by chunks of rows (0: all at once)
     head_chunk_rows: int = option(0, AT_LEAST_0, graph=True)
 
-# A small model and a short run: under a minute on a 2-core CPU, every part exercised. A CPU step
-# is mostly the 50,304-wide head: so 12 steps, and 8x the record's head lr to learn in them. A step
-# is 2 micro-batches on 1 process (1 to 8 fit); the window grows to the whole 512-token sequence.
+# A small model and a short run: under a minute on a 2-core CPU, every part exercised, on generated
+# documents (no download). A CPU step is mostly the 50,304-wide head: so 12 steps, and 8x the
+# record's head lr to learn in them. A step is 2 micro-batches on 1 process (1 to 8 fit); the window
+# grows to the whole 512-token sequence.
 PRESETS = {
-    "smoke": dict(
-        num_layers=8, num_heads=2, model_dim=64, head_lr=0.064,
-        num_iterations=12, val_loss_every=4, batch_size=1024, max_device_batch_size=512,
-        val_tokens=4096, window_end=512 + 64,
-        # generated documents (see markov_stream): no download
-        train_files="synthetic", val_files="synthetic",
-    ),
+    "smoke": dict(num_layers=8, num_heads=2, model_dim=64, head_lr=0.064, num_iterations=12,
+                  val_loss_every=4, batch_size=1024, max_device_batch_size=512, val_tokens=4096,
+                  window_end=512 + 64, train_files="synthetic", val_files="synthetic"),
 }
 
 class UserError(Exception):
@@ -236,8 +232,7 @@ class Muon(torch.optim.Optimizer):
     Gradients arrive averaged over ranks (DDP). Matrices are grouped by shape; in a group, rank r of
     W orthogonalises matrices r, r + W, r + 2W, ... as one stacked bf16 batch (the same function per
     matrix), and the ranks all-gather the results asynchronously (@YouJiacheng), each group's
-    gather overlapping the next group's iteration.
-    """
+    gather overlapping the next group's iteration."""
     def __init__(self, params, lr, momentum, nesterov=True, ns_steps=5, compiled=False):
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -357,8 +352,7 @@ class CastedLinear(nn.Linear):
 
 class Rotary(nn.Module):
     """Rotary position embedding (RoFormer, Su et al.), half-truncated (@YouJiacheng): half of the
-    dimension pairs rotate, with frequencies from 1 down to 1/1024, and the other half have
-    frequency 0."""
+    dimension pairs rotate, with frequencies from 1 down to 1/1024, the other half not at all."""
     def __init__(self, head_dim, max_seq_len=65536):
         super().__init__()
         rotating = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4)
@@ -515,8 +509,7 @@ class GPT(nn.Module):
 
 class KVCache:
     """For sampling at one token's cost: a batch of sequences' tokens so far and each attention
-    layer's keys and values, up to `length` tokens. GPT.forward gives it to the layers as the mask
-    (their x: (1, batch, T, dim)), with the dense mask's rows of the new tokens."""
+    layer's keys and values, up to `length` tokens; the layers' mask (x: (1, batch, T, dim))."""
     def __init__(self, batch_size, length, device):
         self.tokens = torch.empty(batch_size, 0, dtype=torch.int32, device=device)
         self.length = length
@@ -640,7 +633,6 @@ class DistributedDataLoader:
         self.world_size = world_size
         self.device = device
         self.read_shard = read_shard
-        # none loaded yet
         self.shard = None
         self.reset()
 
@@ -653,8 +645,8 @@ class DistributedDataLoader:
         self.pos = pos
 
     def next_batch(self, batch_size):
-        """This rank's share of the next batch: inputs (int32), targets (int64, shifted by one)."""
-        # the trainer checks at start-up that every shard holds a batch
+        """This rank's share of the next batch: inputs (int32), targets (int64, shifted by one).
+        (The trainer checks at start-up that every shard holds a batch.)"""
         if self.pos + batch_size + 1 >= len(self.tokens):
             self.reset((self.shard + 1) % len(self.files))
         share = batch_size // self.world_size
@@ -691,11 +683,9 @@ def build_optimizers(model, args, compiled=False):
     """Adam (fused) for the embeddings, the head and the scalars; Muon for the block matrices."""
     tables = [model.embed.weight, *(t.weight for t in model.value_embeds)]
     scalars = [p for p in model.parameters() if p.ndim < 2]
-    adam_groups = [
-        dict(params=tables, lr=args.embed_lr),
-        dict(params=[model.lm_head.weight], lr=args.head_lr),
-        dict(params=scalars, lr=args.scalar_lr),
-    ]
+    adam_groups = [dict(params=tables, lr=args.embed_lr),
+                   dict(params=[model.lm_head.weight], lr=args.head_lr),
+                   dict(params=scalars, lr=args.scalar_lr)]
     betas = (args.adam_beta1, args.adam_beta2)
     adam = torch.optim.Adam(adam_groups, betas=betas, eps=args.adam_eps, fused=True)
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
@@ -736,10 +726,6 @@ def build_model(args, run):
     check_fused_head(model, args.fused_head_loss, run.log)
     optimizers = build_optimizers(model, args, compiled=run.compiled)
     train_model = model
-    if run.compiled and args.compile_tuning:
-        # not in record 18: on an H100, a first compile of 514 s instead of 120 s, for 0.5% faster
-        from torch._inductor import config as inductor_config
-        inductor_config.coordinate_descent_tuning = True
     if run.compiled and args.regional_compile:
         train_model = compile_regions(model)
     elif run.compiled:
@@ -754,9 +740,8 @@ def build_model(args, run):
 UNTIMED_STEPS = 10
 
 def train(args, checkpoint=None):
-    """One run: its set-up, then at each step validation and checkpoints, training, logging; returns
-    the exit code. `run` keeps it safe (below the fence): the checks before step 1, the data, the
-    log and its clock, the stop that all ranks agree on, checkpoints, the last line."""
+    """One run: its set-up, then at each step validation and checkpoints, training, logging. `run`
+    keeps it safe (below the fence): checks, data, log and clock, the agreed stop, checkpoints."""
     with Run(args, checkpoint) as run:
         train_loader, val_loader = run.train_loader, run.val_loader
         micro_batch, accum_steps, val_batch = micro_batch_plan(args, run.world_size)
@@ -1900,6 +1885,10 @@ class Run(contextlib.AbstractContextManager):
         sizes = {path: facts[0] for path, facts in self.facts.items()}
         passes = check_data(args, *(loader.files for loader in loaders), sizes, val_batch, hint)
         self.stamp = compile_cache_stamp(args, self.world_size, self.device)
+        if self.compiled and args.compile_tuning:
+            # not in record 18: on an H100, a first compile of 514 s instead of 120 s, for 0.5% faster
+            from torch._inductor import config as inductor_config
+            inductor_config.coordinate_descent_tuning = True
         notes = []
         if args.compile_cache:
             cache_note = load_compile_cache(args.compile_cache, self.stamp, self.compiled)
