@@ -14,16 +14,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import BACKGROUND
 from helpers import REPO
 from helpers import TINY_RUN
+from helpers import TRAINER
 from helpers import finished_log
-from helpers import imported_frozen
+from helpers import launch_env
+from helpers import run_process
+from helpers import started
 from helpers import tiny
-from processes import launch_env
-from processes import run_process
-from processes import started
-from processes import worker_env
+from helpers import with_trainer
 
 import train_gpt
 
@@ -99,7 +98,7 @@ def test_a_missing_resume_file_is_named_on_each_node(rank, local_rank, prints, t
 
 def test_the_resume_command_pastes_as_the_run_was_launched(tmp_path, monkeypatch):
     path = str(tmp_path / "Bob's runs" / "state_step000400.pt")
-    script = os.path.relpath(REPO / "train_gpt.py")
+    script = os.path.relpath(TRAINER)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert shlex.split(train_gpt.resume_command(path, 1)) == ["python", script, "--resume", path]
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
@@ -154,31 +153,32 @@ else:
 """
 
 # python for run.sh: asked for the GPU count, $GPUS (without importing torch: quicker); otherwise
-# this interpreter, with train_gpt.py replaced by $RUN_SH_SCRIPT if set (a worker that fails or
-# stops)
+# this interpreter, with train_gpt.py replaced by $RUN_SH_SCRIPT (the trainer under test, or a
+# worker that fails or stops)
 PYTHON = """import os, shlex, sys
 if "torch.cuda.device_count()" in " ".join(sys.argv):
     print(os.environ["GPUS"])
     sys.exit()
 args = []
 for arg in sys.argv[1:]:
-    script = os.environ.get("RUN_SH_SCRIPT")
-    args += shlex.split(script) if script and arg == "train_gpt.py" else [arg]
+    args += shlex.split(os.environ["RUN_SH_SCRIPT"]) if arg == "train_gpt.py" else [arg]
 os.execv(sys.executable, [sys.executable, *args])
 """
 
 
 def run_sh_env(bin_folder, gpus, **extra):
-    """run.sh's environment: the stand-in python, with `gpus` GPUs, first on PATH."""
+    """run.sh's environment: the stand-in python, with `gpus` GPUs, first on PATH; the trainer under
+    test in place of train_gpt.py unless RUN_SH_SCRIPT is given."""
     stand_in(bin_folder, "python", PYTHON)
     path = os.pathsep.join([str(bin_folder), os.environ["PATH"]])
+    extra.setdefault("RUN_SH_SCRIPT", shlex.quote(str(TRAINER)))
     env = launch_env(PATH=path, GPUS=str(gpus), OMP_NUM_THREADS="1", **extra)
     env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
     return env
 
 
 # stands in for the trainer where run.sh hands the run over to it: its options, and exit code 1
-TRAINER = """import sys
+STAND_IN_TRAINER = """import sys
 print("the trainer, given:", *sys.argv[1:], file=sys.stderr)
 sys.exit(1)
 """
@@ -195,7 +195,7 @@ sys.exit(1)
 @pytest.mark.slow
 def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visible, says, tmp_path):
     stand_in(tmp_path / "bin", "nvidia-smi", nvidia_smi)
-    (tmp_path / "trainer.py").write_text(TRAINER)
+    (tmp_path / "trainer.py").write_text(STAND_IN_TRAINER)
     # torch sees no GPU
     env = run_sh_env(tmp_path / "bin", 0, RUN_SH_SCRIPT=shlex.quote(str(tmp_path / "trainer.py")))
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -230,27 +230,38 @@ def test_gpus_this_torch_cannot_use_are_named_with_the_fix(tmp_path, capsys, mon
     assert "Traceback" not in err and not (tmp_path / "logs").exists()
 
 
-def failing_rank_under_run_sh(request):
-    """run.sh on two stand-in GPUs, rank 1 out of memory in train step 1 (tests/fail_worker.py);
-    started at session start, as it takes a while. Gives the log folder and the finished process."""
-    shards = request.getfixturevalue("markov_shards")
-    tmp = request.getfixturevalue("tmp_path_factory").mktemp("failing_rank")
+# a rank of the trainer where rank 1 runs out of GPU memory in Muon's step of train step 1 (the
+# exception a GPU raises), while rank 0 goes on into the step's all-gather with it
+OUT_OF_MEMORY_ON_RANK_1 = """import os
+import torch
+import train_gpt
+muon_step = train_gpt.Muon.step
+steps = []
 
-    def run():
-        worker = f"{shlex.quote(str(REPO / 'tests' / 'fail_worker.py'))} 1"
-        env = run_sh_env(tmp / "bin", 2, RUN_SH_SCRIPT=worker,
-                         PYTHONPATH=worker_env()["PYTHONPATH"])
-        options = tiny(shards, tmp / "logs", "--val_loss_every", "0")
-        result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
-        return tmp / "logs", result
-    return BACKGROUND.once("failing_rank_under_run_sh", run)
+
+def muon_step_out_of_memory_on_rank_1(self):
+    steps.append(len(steps) + 1)
+    if len(steps) == 1 and os.environ["RANK"] == "1":
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB")
+    return muon_step(self)
+
+
+train_gpt.Muon.step = muon_step_out_of_memory_on_rank_1
+sys.exit(train_gpt.main())
+"""
 
 
 @pytest.mark.slow
 @needs_no_gpu
-@pytest.mark.background.with_args(failing_rank_under_run_sh)
-def test_under_run_sh_a_failing_rank_leaves_its_error_last_on_screen_and_in_rank_zeros_log(request):
-    log_dir, result = failing_rank_under_run_sh(request).result()
+def test_under_run_sh_a_failing_rank_leaves_its_error_last_on_screen_and_in_rank_zeros_log(
+        markov_shards, tmp_path):
+    """run.sh on two stand-in GPUs, rank 1 out of memory in train step 1."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(with_trainer(OUT_OF_MEMORY_ON_RANK_1))
+    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(rank)))
+    log_dir = tmp_path / "logs"
+    options = tiny(markov_shards, log_dir, "--val_loss_every", "0")
+    result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
     out_of_memory = ("error: out of GPU memory with micro-batches of 128 tokens: "
                      "pass --max_device_batch_size 64 "
                      "(half usually fits; the global batch and the maths stay the same)")
@@ -299,48 +310,41 @@ def as_nohup_starts_it():
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
-def stopped_under_nohup(request):
-    """On the background queue: run.sh on two stand-in GPUs as nohup starts it, sent SIGHUP once
-    both workers have started, then SIGTERM. Gives each worker's report and run.sh's end."""
-    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("nohup")
+@needs_no_gpu
+@pytest.mark.slow
+def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(tmp_path):
+    """run.sh on two stand-in GPUs as nohup starts it, sent SIGHUP once both workers have started,
+    then SIGTERM."""
     worker = tmp_path / "worker.py"
     worker.write_text(STOPPING_WORKER)
     env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(worker)))
     reports = [tmp_path / "rank.0", tmp_path / "rank.1"]
-
-    def run():
-        # a session of its own: the signals reach run.sh alone, and whatever is left is killed at
-        # the end
-        with started(["bash", str(REPO / "run.sh")], env=env, stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE, text=True, preexec_fn=as_nohup_starts_it) as proc:
-            deadline = time.monotonic() + 120
-            while not all(report.exists() for report in reports) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            started_as = [report.read_text().split() for report in reports if report.exists()]
-            proc.send_signal(signal.SIGHUP)
-            time.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=60)
-        return started_as, proc.returncode, err
-    return BACKGROUND.once("stopped_under_nohup", run)
-
-
-@needs_no_gpu
-@pytest.mark.slow
-@pytest.mark.background.with_args(stopped_under_nohup)
-def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_quietly_on_sigterm(request):
-    started_as, returncode, err = stopped_under_nohup(request).result()
-    # hang-ups stay ignored in the workers; a stop gives them 300 s (torch 2.12 and later read it)
+    # a session of its own: the signals reach run.sh alone
+    with started(["bash", str(REPO / "run.sh")], env=env, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True, preexec_fn=as_nohup_starts_it) as proc:
+        deadline = time.monotonic() + 120
+        while not all(report.exists() for report in reports) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started_as = [report.read_text().split() for report in reports if report.exists()]
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    returncode = proc.returncode
     assert started_as == [["0", "True", "300"], ["1", "True", "300"]], err[-3000:]
     assert returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.splitlines()[-1] == "stopped by SIGTERM" and "Traceback" not in err
 
 
-# rank 0 writes its error line first (then a file beside this script, which rank 1 waits for), then
-# lingers: torchrun, as rank 1 exits first, ends it with SIGTERM
-LINGERING_RANK_ZERO = imported_frozen("train_gpt") + """import os, sys, time
+# a rank of the trainer where rank 0 writes its error line first (then a file beside this script,
+# which rank 1 waits for), then lingers: torchrun, as rank 1 exits first, ends it with SIGTERM
+LINGERING_RANK_ZERO = """import os
+import time
+import train_gpt
 tell_launcher = train_gpt.tell_launcher
 told = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0.told")
+
+
 def tell_then_linger(line, code=1):
     deadline = time.monotonic() + 60
     while os.environ["RANK"] == "1" and not os.path.exists(told) and time.monotonic() < deadline:
@@ -349,33 +353,26 @@ def tell_then_linger(line, code=1):
     if os.environ["RANK"] == "0":
         open(told, "w").close()
         time.sleep(30)
+
+
 train_gpt.tell_launcher = tell_then_linger
 sys.exit(train_gpt.main())
 """
 
 
-def option_error_under_run_sh(request):
-    """On the background queue: run.sh on two stand-in GPUs, its workers LINGERING_RANK_ZERO, with
-    options that 2 processes refuse. Gives the finished process."""
-    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("option_error")
-
-    def run():
-        worker = tmp_path / "worker.py"
-        worker.write_text(LINGERING_RANK_ZERO)
-        env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(worker)),
-                         PYTHONPATH=worker_env()["PYTHONPATH"])
-        # 2 processes x 128 tokens do not divide 128 val tokens: an error once the count is known
-        options = ["--preset", "smoke", "--val_tokens", "128", "--max_device_batch_size", "128",
-                   "--batch_size", "256", "--log_dir", str(tmp_path / "logs")]
-        return run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
-    return BACKGROUND.once("option_error_under_run_sh", run)
-
-
 @pytest.mark.slow
 @needs_no_gpu
-@pytest.mark.background.with_args(option_error_under_run_sh)
-def test_an_option_error_under_run_sh_exits_1_even_when_torchrun_ends_a_rank_with_sigterm(request):
-    result = option_error_under_run_sh(request).result()
+def test_an_option_error_under_run_sh_exits_1_even_when_torchrun_ends_a_rank_with_sigterm(
+        tmp_path):
+    """run.sh on two stand-in GPUs, its ranks LINGERING_RANK_ZERO, with options that 2 processes
+    refuse."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(with_trainer(LINGERING_RANK_ZERO))
+    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(rank)))
+    # 2 processes x 128 tokens do not divide 128 val tokens: an error once the count is known
+    options = ["--preset", "smoke", "--val_tokens", "128", "--max_device_batch_size", "128",
+               "--batch_size", "256", "--log_dir", str(tmp_path / "logs")]
+    result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1] == ("error: --val_tokens 128 must be a multiple of "
@@ -396,37 +393,28 @@ def worker_of_rank(parent, rank):
     raise AssertionError(f"no worker of rank {rank} among {children}")
 
 
-def rank_killed_under_run_sh(request):
-    """On the background queue: run.sh on two stand-in GPUs (gloo on the CPU), rank 1 killed with
-    SIGKILL (the OOM killer, a lost node) once step 2 is logged. Gives the log folder, the seconds
-    from the kill to the end, and the finished process."""
-    shards = request.getfixturevalue("markov_shards")
-    tmp_path = request.getfixturevalue("tmp_path_factory").mktemp("rank_death")
-
-    def run():
-        env = run_sh_env(tmp_path / "bin", 2)
-        options = tiny(shards, tmp_path / "logs", "--num_iterations", "500", "--val_loss_every",
-                       "0", "--allow_data_repeat", "true")
-        # a session of its own: whatever is left is killed at the end
-        with started(["bash", str(REPO / "run.sh"), *options], env=env, cwd=REPO,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-            for line in proc.stdout:
-                if line.startswith("step:2/500 train_loss:"):
-                    break
-            os.kill(worker_of_rank(proc.pid, 1), signal.SIGKILL)
-            killed = time.monotonic()
-            out, err = proc.communicate(timeout=240)
-        return tmp_path / "logs", time.monotonic() - killed, proc.returncode, err
-    return BACKGROUND.once("rank_killed_under_run_sh", run)
-
-
 @pytest.mark.slow
 @needs_no_gpu
-@pytest.mark.background.with_args(rank_killed_under_run_sh)
-def test_a_rank_killed_mid_run_leaves_one_line_on_the_survivor_and_names_the_dead_rank(request):
-    """The surviving rank ends with one line saying another process stopped answering, rank 0's
-    log ends with that line (not gloo's message), and run.sh's last line names the dead rank."""
-    log_dir, seconds, returncode, err = rank_killed_under_run_sh(request).result()
+def test_a_rank_killed_mid_run_leaves_one_line_on_the_survivor_and_names_the_dead_rank(
+        markov_shards, tmp_path):
+    """run.sh on two stand-in GPUs (gloo on the CPU), rank 1 killed with SIGKILL (the OOM killer, a
+    lost node) once step 2 is logged. The surviving rank ends with one line saying another process
+    stopped answering, rank 0's log ends with that line (not gloo's message), and run.sh's last line
+    names the dead rank."""
+    env = run_sh_env(tmp_path / "bin", 2)
+    log_dir = tmp_path / "logs"
+    options = tiny(markov_shards, log_dir, "--num_iterations", "500", "--val_loss_every", "0",
+                   "--allow_data_repeat", "true")
+    with started(["bash", str(REPO / "run.sh"), *options], env=env, cwd=REPO,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:
+            if line.startswith("step:2/500 train_loss:"):
+                break
+        os.kill(worker_of_rank(proc.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=240)
+    seconds = time.monotonic() - killed
+    returncode = proc.returncode
     assert seconds < 120
     assert returncode == 128 + signal.SIGKILL, err[-3000:]
     assert "Traceback" not in err and "Connection closed by peer" not in err, err[-3000:]
