@@ -1,12 +1,19 @@
-"""pytest's configuration of the suite: the trainer under test, one torch thread per process (xdist
-runs a process per core), the session's shards and the smoke runs that several tests read. What the
-tests share is in tests/helpers.py."""
+"""pytest's configuration of the suite: the trainer under test (--trainer), one torch thread per
+process (xdist runs a process per core), the session's shards and the smoke runs that several tests
+read. What the tests share is in tests/helpers.py."""
 import contextlib
 import io
 import signal
+from pathlib import Path
 
 import helpers
 import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--trainer", default=str(helpers.REPO / "train_gpt.py"), metavar="FILE",
+                     help="the trainer to test (a copy of train_gpt.py): every test that imports "
+                          "train_gpt gets its module, every process a test starts runs it")
 
 
 def stop_as_on_ctrl_c(signum, frame):
@@ -17,7 +24,12 @@ def stop_as_on_ctrl_c(signum, frame):
 
 def pytest_configure(config):
     """The trainer under test imported as `train_gpt`, before any test module imports it."""
-    train_gpt = helpers.use_trainer(helpers.REPO / "train_gpt.py")
+    trainer = Path(config.invocation_params.dir, config.getoption("trainer")).resolve()
+    if not trainer.is_file():
+        raise pytest.UsageError(f"--trainer {config.getoption('trainer')}: no such file")
+    # absolute for xdist's workers, which get this option
+    config.option.trainer = str(trainer)
+    train_gpt = helpers.use_trainer(trainer)
     train_gpt.torch.set_num_threads(1)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, stop_as_on_ctrl_c)

@@ -209,10 +209,12 @@ def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_pat
 
 
 # One process: the trainer with --hellaswag, then the tools alone, as in a process of their own:
-# every module of the repository imported so far (train_gpt, evals, the tokenizer) forgotten first
+# every module of the repository imported so far (train_gpt, evals, the tokenizer) forgotten first,
+# but not those of a virtual environment kept in the repository's folder (torch's, say)
 ONE_TRAINER = """import glob
 import os
 import sys
+import sysconfig
 
 
 def trainers():
@@ -224,8 +226,10 @@ def trainers():
 import train_gpt
 assert train_gpt.main({options!r}) == 0
 print("with --hellaswag:", trainers())
+installed = tuple(os.path.join(sysconfig.get_path(name), "") for name in ("purelib", "platlib"))
 for name, module in list(sys.modules.items()):
-    if (getattr(module, "__file__", None) or "").startswith(os.path.join({repo!r}, "")):
+    path = getattr(module, "__file__", None) or ""
+    if path.startswith(os.path.join({repo!r}, "")) and not path.startswith(installed):
         del sys.modules[name]
 assert trainers() == []
 (checkpoint,) = glob.glob({checkpoints!r})
