@@ -297,7 +297,9 @@ def test_muon_processes_match_one(one_process, nproc, tmp_path_factory):
     """Uneven shares and groups smaller than the world (see SHAPES): every matrix is still applied
     once. Under torchrun, as the trainer is launched (one launch for both, made once)."""
     folder, _ = made_once(tmp_path_factory, "muon_processes", muon_in_3_and_2_processes)
-    for a, b in zip(one_process, torch.load(folder / f"{nproc}.pt")):
+    processes = torch.load(folder / f"{nproc}.pt")
+    assert len(processes) == len(one_process) == len(SHAPES)
+    for a, b in zip(one_process, processes):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
