@@ -11,8 +11,9 @@ from helpers import TRAINER
 from helpers import launch_env
 from helpers import run_process
 
-# a test that imports the trainer, and one that runs it as a process
-IN_PROCESS = "tests/test_end_to_end.py::test_one_whole_tiny_smoke_run_in_process"
+# a test that calls the trainer's main() in its own process, and one that runs the trainer as a
+# process
+IN_PROCESS = "tests/test_start_up.py::test_a_shard_matched_by_both_train_and_val_files_is_refused"
 AS_A_PROCESS = ("tests/test_start_up.py::"
                 "test_without_triton_the_trainer_trains_and_refuses_only_the_fused_head_loss")
 
