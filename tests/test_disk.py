@@ -188,28 +188,6 @@ def log_fd(log_dir):
     raise AssertionError(f"no log open in {log_dir}")
 
 
-# a rank of the trainer whose log, on rank 0, fails from step 2 on as on a full disk (its file
-# becomes /dev/full); the ranks exchange the stop flag at every step
-LOG_FULL_ON_RANK_0 = """import os
-import helpers
-import train_gpt
-agreed = train_gpt.CleanStop.agreed
-
-
-def full_after_step_2(self, step):
-    if step == 2 and os.environ["RANK"] == "0":
-        for fd in os.listdir("/proc/self/fd"):
-            if os.path.realpath(f"/proc/self/fd/{fd}").endswith(".txt"):
-                os.dup2(os.open("/dev/full", os.O_WRONLY), int(fd))
-    return agreed(self, step)
-
-
-train_gpt.CleanStop.agreed = full_after_step_2
-train_gpt.STOP_CHECK_EVERY = 1
-helpers.exit_as_a_rank(train_gpt.main(sys.argv[1:]))
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
 def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoint(
