@@ -1,45 +1,110 @@
-"""pytest's fixtures and hooks: synthetic shards with learnable structure, the smoke runs that tests
-share, the background queue started at session start (its jobs' wall times printed at the end), and
-no process left behind. The shared functions live in tests/helpers.py and tests/processes.py
-(started processes), which test modules import."""
-import gc
+"""pytest's configuration of the suite: the trainer under test (--trainer), one torch thread per
+process (xdist runs a process per core), the session's shards and the smoke runs that several tests
+read. What the tests share is in tests/helpers.py."""
+import contextlib
+import io
 import signal
 import socket
+from pathlib import Path
 
+import helpers
 import pytest
-from processes import WARM_PYTHON
-from processes import kill_every_live_group
 
-# The warm interpreter's imports first: they run on the second core while this process imports
-# torch and collects the tests on the first (the background queue starts after the collection)
-WARM_PYTHON.start()
-# torch's import and the test modules' collection with Python's collector off, their objects then
-# frozen out of later collections at session start (helpers.imported_frozen, for this process):
-# about a second less before the first test, while one core works alone
-gc.disable()
-from helpers import BACKGROUND  # noqa: E402
-from helpers import SmokeRuns  # noqa: E402
-from helpers import markov_stream  # noqa: E402
 
-import train_gpt  # noqa: E402
+def pytest_addoption(parser):
+    parser.addoption("--trainer", default=str(helpers.REPO / "train_gpt.py"), metavar="FILE",
+                     help="the trainer to test (a copy of train_gpt.py): every test that imports "
+                          "train_gpt gets its module, every process a test starts runs it")
+
+
+def stop_as_on_ctrl_c(signum, frame):
+    """SIGTERM (from `timeout`, say) ends the session as Ctrl-C does: through its teardown, then
+    the exit that kills the processes the tests started."""
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+def pytest_configure(config):
+    """The trainer under test imported as `train_gpt`, before any test module imports it."""
+    trainer = Path(config.invocation_params.dir, config.getoption("trainer")).resolve()
+    if not trainer.is_file():
+        raise pytest.UsageError(f"--trainer {config.getoption('trainer')}: no such file")
+    # absolute for xdist's workers, which get this option
+    config.option.trainer = str(trainer)
+    train_gpt = helpers.use_trainer(trainer)
+    train_gpt.torch.set_num_threads(1)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, stop_as_on_ctrl_c)
 
 
 @pytest.fixture(scope="session")
 def markov_shards(tmp_path_factory):
-    """Two train shards and one val shard of the Markov stream; returns (train glob, val glob, val
-    tokens)."""
+    """Two train shards and one val shard of the trainer's synthetic Markov stream (a chain of 4
+    successors per token: learnable to about ln 4 = 1.39 nats, far below its unigram entropy of
+    about 5.5); gives (train glob, val glob, val tokens)."""
+    import train_gpt
     folder = tmp_path_factory.mktemp("markov")
     for k in (1, 2):
-        tokens = markov_stream(60_000, seed=k)
+        tokens = train_gpt.markov_stream(60_000, seed=k)
         train_gpt.write_data_shard(folder / f"markov_train_{k:06d}.bin", tokens)
-    val = markov_stream(20_000, seed=0)
+    val = train_gpt.markov_stream(20_000, seed=0)
     train_gpt.write_data_shard(folder / "markov_val_000000.bin", val)
     return str(folder / "markov_train_*.bin"), str(folder / "markov_val_*.bin"), val
 
 
+class SmokeRuns:
+    """Smoke-preset runs that several tests read, each made once per session (made_once): short(1)
+    and short(2), one short run as 1 and as 2 processes, and full()."""
+
+    def __init__(self, markov_shards, tmp_path_factory):
+        self.shards = markov_shards
+        self.factory = tmp_path_factory
+
+    def options(self, folder):
+        """helpers.tiny()'s run for 4 steps, logging into folder/logs."""
+        return helpers.tiny(self.shards, folder / "logs", "--num_iterations", "4")
+
+    def short(self, nproc):
+        """The short run's log: on 1 process, here, through records/profile_run.py (its last step
+        profiled, which does not change the maths) with a checkpoint at the end; on 2, under
+        torchrun."""
+        make = self.profiled_short_run if nproc == 1 else self.short_run_on_2_processes
+        folder, _ = helpers.made_once(self.factory, f"short_{nproc}proc", make)
+        return helpers.finished_log(folder / "logs")
+
+    def profiled_stdout(self):
+        """What records/profile_run.py printed in short(1)."""
+        return helpers.made_once(self.factory, "short_1proc", self.profiled_short_run)[1]
+
+    def profiled_short_run(self, folder):
+        profile_run = helpers.load_records_script("profile_run")
+        with contextlib.redirect_stdout(io.StringIO()) as stdout:
+            code = profile_run.main(["--steps", "1", *self.options(folder), "--save_checkpoint",
+                                     "true"])
+        assert code == 0, stdout.getvalue()[-3000:]
+        return stdout.getvalue()
+
+    def short_run_on_2_processes(self, folder):
+        launch = helpers.torchrun(2, helpers.TRAINER, *self.options(folder))
+        env = helpers.launch_env(OMP_NUM_THREADS="1")
+        result = helpers.run_process(launch, 300, cwd=helpers.REPO, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    def full(self):
+        """The whole smoke preset's training, here, with no data named (its built-in synthetic
+        stream) as `python train_gpt.py --preset smoke` runs it; validation on 1 sequence, not 8."""
+        folder, _ = helpers.made_once(self.factory, "full_1proc", self.full_run)
+        return helpers.finished_log(folder / "logs")
+
+    def full_run(self, folder):
+        import train_gpt
+        options = ["--preset", "smoke", "--val_tokens", "512", "--log_dir", str(folder / "logs")]
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert train_gpt.main(options) == 0
+
+
 @pytest.fixture(scope="session")
-def smoke_runs(markov_shards, tmp_path_factory, request):
-    return SmokeRuns(markov_shards, tmp_path_factory, request)
+def smoke_runs(markov_shards, tmp_path_factory):
+    return SmokeRuns(markov_shards, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -75,89 +140,3 @@ def torchrun_worker(monkeypatch):
     yield launched
     agent.close()
 
-
-def stop_as_on_ctrl_c(signum, frame):
-    """SIGTERM (from `timeout`, say) ends the session as Ctrl-C does: through its teardown, which
-    kills the processes the tests started."""
-    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
-
-
-def pytest_configure(config):
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, stop_as_on_ctrl_c)
-
-
-def pytest_collection_modifyitems(items):
-    """Stable: the tests awaiting background work come last, when that work has had time to
-    finish (and in the order of their jobs, once these are queued: launch_background_work)."""
-    items.sort(key=lambda item: item.get_closest_marker("background") is not None)
-
-
-def skipped(item):
-    """Whether a skipif mark skips the test (no triton, say): it needs no runs then."""
-    return any(mark.args and mark.args[0] for mark in item.iter_markers("skipif"))
-
-
-def starters(item):
-    """The starters named by a test's `background` marks."""
-    return [start for mark in item.iter_markers("background") for start in mark.args]
-
-
-def in_the_order_of_their_jobs(items, jobs):
-    """The tests awaiting background work, in the order in which the last job each awaits starts
-    (jobs: each starter's futures): the first find their work done, and their in-process parts run
-    beside the last jobs, not after them. pytest has already picked the one after the first test."""
-    def last_job(item):
-        return max((future.rank for start in starters(item) for future in jobs.get(start, ())),
-                   default=())
-    first = next((i for i, item in enumerate(items) if starters(item)), len(items))
-    first = max(first, 2)
-    items[first:] = sorted(items[first:], key=last_job)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def launch_background_work(request):
-    """Calls, once each, the starters named by the collected tests' `background` marks, each giving
-    its jobs' futures, and orders these tests by them; at the end, no started process is left
-    running."""
-    gc.freeze()
-    gc.enable()
-    jobs = {}
-    with BACKGROUND.held():
-        for item in request.session.items:
-            for start in starters(item):
-                if start not in jobs and not skipped(item):
-                    futures = start(request)
-                    futures = futures if isinstance(futures, list) else [futures]
-                    jobs[start] = [future for future in futures if future is not None]
-    in_the_order_of_their_jobs(request.session.items, jobs)
-    # one thread: beside background work, one core each (two threads here, on a busy core, stall
-    # at every parallel op, tens of ms); and alone, the small ops of these tests spend a second
-    # thread's time spinning (a tiny whole run on the shared 2-core machine: twice the CPU time,
-    # and more wall time, with two)
-    train_gpt.torch.set_num_threads(1)
-    yield
-    # after a stop (-x, Ctrl-C): no new runs, and what runs is killed
-    BACKGROUND.cancel_waiting()
-    kill_every_live_group()
-
-
-def pytest_terminal_summary(terminalreporter):
-    """Each background job's wall time (and its processes' CPU time): they run beside the tests, out
-    of `--durations`' sight."""
-    if not BACKGROUND.seconds:
-        return
-    terminalreporter.section("background jobs: wall time (CPU time of their processes)")
-    for key, seconds in sorted(BACKGROUND.seconds.items(), key=lambda item: -item[1]):
-        cpu = BACKGROUND.cpu_seconds.get(key, 0)
-        terminalreporter.write_line(f"{seconds:7.1f}s ({cpu:6.1f}s) {key}")
-    total = sum(BACKGROUND.seconds.values())
-    cpu = sum(BACKGROUND.cpu_seconds.values())
-    terminalreporter.write_line(f"{total:7.1f}s ({cpu:6.1f}s) in all")
-
-
-def pytest_unconfigure(config):
-    """One full collection, then the survivors frozen: pytest's own collections at its end (five)
-    and the interpreter's at exit skip torch's objects, seconds of a session that compiled."""
-    gc.collect()
-    gc.freeze()

@@ -2,20 +2,20 @@
 file it did not write is never replaced."""
 import dataclasses
 import os
+import sys
 
 import pytest
 import torch
-from helpers import BACKGROUND
-from processes import WARM_PYTHON
-from processes import worker_env
+from helpers import launch_env
+from helpers import run_process
+from helpers import with_trainer
 
 import train_gpt
 
 STAMP = "train_gpt compile cache: torch test"
 
 # compile one small function with this process's (empty) local caches, around the trainer's load and
-# save; a graph of one library call: no C++ kernel to build, so it is quick. Each process is a fork
-# of the warm interpreter, which has imported torch and compiled nothing.
+# save; a graph of one library call: no C++ kernel to build, so it is quick
 COMPILE = f"""import sys
 import torch
 import train_gpt
@@ -29,9 +29,9 @@ print(train_gpt.save_compile_cache(sys.argv[1], {STAMP!r}))
 
 
 def compile_in_fresh_process(cache, tmp_path, name):
-    env = worker_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"{name}_inductor"),
-                     TRITON_CACHE_DIR=str(tmp_path / f"{name}_triton"))
-    result = WARM_PYTHON.run(COMPILE, [cache], 300, env=env)
+    env = launch_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"{name}_inductor"),
+                     TRITON_CACHE_DIR=str(tmp_path / f"{name}_triton"), OMP_NUM_THREADS="1")
+    result = run_process([sys.executable, "-c", with_trainer(COMPILE), str(cache)], 300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     # its own local cache, not the session's
     own = tmp_path / f"{name}_inductor"
@@ -39,22 +39,12 @@ def compile_in_fresh_process(cache, tmp_path, name):
     return result.stdout.splitlines()[-3:]
 
 
-def compile_twice(tmp_path):
-    """The first process's output, the temp files it left, the second process's output."""
-    cache = tmp_path / "compile.cache"
-    first = compile_in_fresh_process(cache, tmp_path, "first")
-    return first, list(tmp_path.glob("*.tmp")), compile_in_fresh_process(cache, tmp_path, "second")
-
-
-def compile_twice_in_background(request):
-    tmp = request.getfixturevalue("tmp_path_factory")
-    return BACKGROUND.once("compile_twice", lambda: compile_twice(tmp.mktemp("compile_cache")))
-
-
 @pytest.mark.slow
-@pytest.mark.background.with_args(compile_twice_in_background)
-def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(request):
-    (loaded, counts, saved), temp_files, second = compile_twice_in_background(request).result()
+def test_second_process_with_empty_local_caches_compiles_from_the_saved_cache(tmp_path):
+    cache = tmp_path / "compile.cache"
+    loaded, counts, saved = compile_in_fresh_process(cache, tmp_path, "first")
+    temp_files = list(tmp_path.glob("*.tmp"))
+    second = compile_in_fresh_process(cache, tmp_path, "second")
     assert loaded.startswith("not found") and counts == "0 1" and saved.startswith("saved")
     assert not temp_files  # the temp file was renamed into place
     loaded, counts, _ = second

@@ -11,13 +11,18 @@ import uuid
 
 import pytest
 import torch
+from helpers import REPO
+from helpers import TRAINER
 from helpers import at_step
 from helpers import finished_log
+from helpers import launch_env
+from helpers import ranks_of
+from helpers import run_process
+from helpers import small_shards
 from helpers import tiny
-from launch_worker import launch_part
-from launch_worker import outcome
-from launch_worker import shards
-from launch_worker import tiny_run
+from helpers import tiny_run
+from helpers import torchrun
+from helpers import with_trainer
 
 import train_gpt
 
@@ -161,7 +166,7 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_one_warning_and_training_goes_
 def test_a_final_checkpoint_the_disk_has_no_room_for_exits_1(small_filesystem, tmp_path, capsys,
                                                            monkeypatch):
     """2 steps (the run's end is what counts); the disk fills before the final checkpoint."""
-    train, val = shards(tmp_path / "data")
+    train, val = small_shards(tmp_path / "data")
     log_dir = small_filesystem / "logs"
     at_step(monkeypatch, {2: lambda: fill(small_filesystem, 256 * 1024)})
     options = tiny_run(train, val, log_dir, "--save_checkpoint", "true", "--num_iterations", "2")
@@ -221,23 +226,51 @@ def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards,
                    "free some space or pick another --log_dir\n")
 
 
+# a rank of the trainer whose log, on rank 0, fails from step 2 on as on a full disk (its file
+# becomes /dev/full); the ranks exchange the stop flag at every step
+LOG_FULL_ON_RANK_0 = """import os
+import helpers
+import train_gpt
+agreed = train_gpt.CleanStop.agreed
+
+
+def full_after_step_2(self, step):
+    if step == 2 and os.environ["RANK"] == "0":
+        for fd in os.listdir("/proc/self/fd"):
+            if os.path.realpath(f"/proc/self/fd/{fd}").endswith(".txt"):
+                os.dup2(os.open("/dev/full", os.O_WRONLY), int(fd))
+    return agreed(self, step)
+
+
+train_gpt.CleanStop.agreed = full_after_step_2
+train_gpt.STOP_CHECK_EVERY = 1
+helpers.exit_as_a_rank(train_gpt.main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/full are Linux's")
-@pytest.mark.background.with_args(launch_part("log_full"))
-def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(request):
-    """Rank 0's log fails from step 2 on, on 2 processes under torchrun (a part of
-    tests/launch_worker.py's launch), a checkpoint every 2 steps. Rank 1 learns it with the stop
-    flag, as of a signal: both stop after step 4, whose checkpoint (a collective: rank 1 sends its
-    Muon momenta) is written."""
-    log_full = outcome(request, "log_full")
-    log = finished_log(log_full.log_dir)
-    checkpoint = log_full.log_dir / log.stem / "state_step000004.pt"
-    stderr = "".join(log_full.stderr)
+def test_a_log_that_cannot_be_written_stops_every_process_after_the_same_step(markov_shards,
+                                                                              tmp_path):
+    """Rank 0's log fails from step 2 on, on 2 processes under torchrun, a checkpoint every 2
+    steps. Rank 1 learns it with the stop flag, as of a signal: both stop after step 4, whose
+    checkpoint (a collective: rank 1 sends its Muon momenta) is written."""
+    log_dir = tmp_path / "log_full"
+    options = tiny(markov_shards, log_dir, "--val_loss_every", "0", "--checkpoint_every", "2")
+    rank = tmp_path / "rank.py"
+    rank.write_text(with_trainer(LOG_FULL_ON_RANK_0))
+    launch = torchrun(2, "--log-dir", tmp_path / "ranks", "--redirects", "3", rank, *options)
+    result = run_process(launch, 300, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"))
+    ranks = ranks_of(tmp_path / "ranks")
+    log = finished_log(log_dir)
+    checkpoint = log_dir / log.stem / "state_step000004.pt"
+    stderr = "".join(rank["stderr"] for rank in ranks) + result.stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     no_space = f"error: cannot write to the log {log} (No space left on device)"
     assert errors == [f"{no_space}: stopped after step 4; "
-                      "resume with: torchrun --standalone --nproc_per_node=2 train_gpt.py --resume "
-                      f"{checkpoint}"], stderr[-3000:]
+                      "resume with: torchrun --standalone --nproc_per_node=2 "
+                      f"{os.path.relpath(TRAINER, REPO)} --resume {checkpoint}"], stderr[-3000:]
     # each process's main() ends with exit code 1 (torchrun's, then), without a worker's traceback
-    assert log_full.codes == [1, 1] and 'train_gpt.py", line' not in stderr
+    codes = [rank["code"] for rank in ranks]
+    assert codes == [1, 1] and f'{TRAINER.name}", line' not in stderr
     assert torch.load(checkpoint)["step"] == 4

@@ -15,7 +15,6 @@ import pytest
 import tiktoken
 import torch
 import torch.nn.functional as F
-from helpers import smoke_marked
 from torch.utils.flop_counter import FlopCounterMode
 
 import train_gpt
@@ -118,7 +117,7 @@ def test_hellaswag_forward_is_compiled_on_cuda_and_plain_on_a_cpu():
 
 @pytest.fixture
 def smoke_checkpoint(smoke_runs):
-    """The checkpoint of the session's short smoke run (a background run shared with other tests:
+    """The checkpoint of the session's short smoke run (made once, shared with other tests:
     4 steps of the smoke preset on the Markov shards; its window ends at 4 blocks, 512 tokens)."""
     log = smoke_runs.short(1)
     (path,) = log.parent.glob(f"{log.stem}/state_step000004.pt")
@@ -146,7 +145,6 @@ def argmax_rows_of_a_full_forward(model, document, first):
 
 
 @pytest.mark.slow
-@smoke_marked(("short", 1))
 def test_cached_greedy_text_equals_full_forwards_on_a_trained_checkpoint(smoke_checkpoint):
     model, options = common.load_model(smoke_checkpoint, torch.device("cpu"))
     window_blocks = common.trained_window_blocks(options)

@@ -10,15 +10,17 @@ import random
 import re
 import threading
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import tiktoken
 import torch
 from helpers import REPO
 from helpers import finished_log
-from helpers import smoke_marked
-from launch_worker import launch
-from launch_worker import outcome
+from helpers import launch_env
+from helpers import ranks_of
+from helpers import run_process
+from helpers import torchrun
 
 import train_gpt
 from evals import common
@@ -336,7 +338,6 @@ def test_download_is_checked_saved_once_and_a_bad_one_leaves_nothing(tmp_path):
 # --- real checkpoints, processes and the trainer --------------------------------------------------
 
 @pytest.mark.slow
-@smoke_marked(("short", 1))
 def test_tools_read_a_checkpoint_the_trainer_wrote(smoke_runs, tmp_path, capsys, own_tokenizer):
     log = smoke_runs.short(1)
     (checkpoint,) = log.parent.glob(f"{log.stem}/state_step*.pt")
@@ -352,33 +353,23 @@ def test_tools_read_a_checkpoint_the_trainer_wrote(smoke_runs, tmp_path, capsys,
     assert capsys.readouterr().out.startswith("Once upon")
 
 
-# the checkpoint and examples of the 2-process run, made once
-TWO_PROCESSES = {}
-
-
-def two_process_hellaswag(request):
-    """The tool on 2 processes under torchrun (a part of tests/launch_worker.py's launch), on a
-    checkpoint and examples made here in the main thread (initialisation draws from the global
-    generator); gives the launch's future."""
-    if not TWO_PROCESSES:
-        folder = request.getfixturevalue("tmp_path_factory").mktemp("hellaswag_2proc")
-        model = tiny_model(torch.float32, seed=1)
-        TWO_PROCESSES["checkpoint"] = write_checkpoint(folder / "state.pt", model)
-        examples = random_examples(seed=6, count=3)
-        TWO_PROCESSES["data"] = write_jsonl(folder / "val.jsonl", examples)
-    argv = [str(TWO_PROCESSES["checkpoint"]), "--data", str(TWO_PROCESSES["data"]), "--tokenizer",
-            str(RANKS)]
-    return launch(request, "hellaswag", argv)
-
-
 @pytest.mark.slow
 @needs_ranks
-@pytest.mark.background.with_args(two_process_hellaswag)
-def test_two_processes_score_as_one(request):
-    part = outcome(request, "hellaswag")
-    assert part.codes == [0, 0], part.stderr[0][-3000:] + part.stderr[1][-3000:]
-    model, options = common.load_model(TWO_PROCESSES["checkpoint"], CPU)
-    rendered, labels = hellaswag.prepare(TWO_PROCESSES["data"], RANKS)
+def test_two_processes_score_as_one(tmp_path):
+    """The tool on 2 processes under torchrun, each rank's output in files of its own."""
+    checkpoint = write_checkpoint(tmp_path / "state.pt", tiny_model(torch.float32, seed=1))
+    data = write_jsonl(tmp_path / "val.jsonl", random_examples(seed=6, count=3))
+    launch = torchrun(2, "--log-dir", tmp_path / "ranks", "--redirects", "3",
+                      REPO / "evals" / "hellaswag.py", checkpoint, "--data", data, "--tokenizer",
+                      RANKS)
+    result = run_process(launch, 300, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"))
+    ranks = ranks_of(tmp_path / "ranks")
+    part = SimpleNamespace(stdout=[rank["stdout"] for rank in ranks],
+                           stderr=[rank["stderr"] for rank in ranks])
+    # torchrun's exit code is 0 when every rank's is
+    assert result.returncode == 0, part.stderr[0][-3000:] + part.stderr[1][-3000:]
+    model, options = common.load_model(checkpoint, CPU)
+    rendered, labels = hellaswag.prepare(data, RANKS)
     window_blocks = common.trained_window_blocks(options)
     acc_norm, acc, n, _ = hellaswag.evaluate(model, rendered, labels, window_blocks, CPU)
     # rank 0 prints the counts summed over both; rank 1 prints nothing

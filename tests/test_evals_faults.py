@@ -20,11 +20,10 @@ from dataclasses import asdict
 import pytest
 import tiktoken
 import torch
-from helpers import BACKGROUND
 from helpers import REPO
 from helpers import finished_log
-from processes import launch_env
-from processes import started
+from helpers import launch_env
+from helpers import started
 
 import train_gpt
 from evals import common
@@ -203,36 +202,22 @@ def test_the_smallest_temperature_draws_the_greedy_tokens(checkpoint, capsys):
 
 # --- a closed stdout, a cut download, a bad byte, torchrun's error file ---------------------------
 
-def closed_stdout_run(request):
-    """`python evals/sample.py ... | true` on the background queue (queued at session start): the
-    reader has gone before the text is written. The checkpoint is made here, in the main thread
-    (initialisation draws from the global generator)."""
-    if "closed_stdout" not in BACKGROUND.futures:
-        path = request.getfixturevalue("tmp_path_factory").mktemp("closed_stdout") / "state.pt"
-        save_small_model(path)
-        command = [sys.executable, str(REPO / "evals" / "sample.py"), str(path),
-                   "--max_new_tokens", "2", "--tokenizer", str(RANKS)]
-
-        def run():
-            """(exit code, stderr)"""
-            read, write = os.pipe()
-            os.close(read)
-            with os.fdopen(write, "wb") as closed, started(
-                    command, stdout=closed, stderr=subprocess.PIPE, text=True,
-                    env=launch_env(OMP_NUM_THREADS="1")) as process:
-                _, stderr = process.communicate(timeout=300)
-            return process.returncode, stderr
-        BACKGROUND.once("closed_stdout", run)
-    return BACKGROUND.futures["closed_stdout"]
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
-@pytest.mark.background.with_args(closed_stdout_run)
-def test_a_closed_stdout_is_quiet(request):
-    code, stderr = closed_stdout_run(request).result()
+def test_a_closed_stdout_is_quiet(tmp_path):
+    """`python evals/sample.py ... | true`: the reader has gone before the text is written."""
+    path = tmp_path / "state.pt"
+    save_small_model(path)
+    command = [sys.executable, str(REPO / "evals" / "sample.py"), str(path),
+               "--max_new_tokens", "2", "--tokenizer", str(RANKS)]
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "wb") as closed, started(
+            command, stdout=closed, stderr=subprocess.PIPE, text=True,
+            env=launch_env(OMP_NUM_THREADS="1")) as process:
+        _, stderr = process.communicate(timeout=300)
     # the one line that names the script that built the model, written before the text
-    assert code == common.CLOSED_OUTPUT and stderr.startswith("model: built by ")
+    assert process.returncode == common.CLOSED_OUTPUT and stderr.startswith("model: built by ")
     assert len(stderr.splitlines()) == 1
 
 

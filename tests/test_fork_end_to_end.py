@@ -4,8 +4,7 @@ checkpoint; the repository's evals/hellaswag.py and evals/sample.py score and co
 the fork's model: their scores and greedy text equal those of the fork's own module (each
 candidate scored alone in float64, greedy by full forwards), and differ from the original
 trainer's with the same weights. Also: one trainer module per process, with --hellaswag and with
-the tools alone (one process in the background, which forgets the repository's modules between
-the two).
+the tools alone (one process, which forgets the repository's modules between the two).
 
     python -m pytest tests/test_fork_end_to_end.py -q
 """
@@ -21,10 +20,11 @@ import textwrap
 import pytest
 import tiktoken
 import torch
-from helpers import BACKGROUND
 from helpers import REPO
-from processes import WARM_PYTHON
-from processes import worker_env
+from helpers import TRAINER
+from helpers import launch_env
+from helpers import run_process
+from helpers import with_trainer
 
 import train_gpt
 from evals import common
@@ -76,7 +76,7 @@ def fork(markov_shards, tmp_path_factory):
     preset, at width 16 over 6 blocks (a step is mostly the 50,304-wide head), for 4 steps of 128
     tokens on the session's Markov shards (after 2, both models' greedy tokens are alike)."""
     folder = tmp_path_factory.mktemp("fork")
-    source = (REPO / "train_gpt.py").read_text()
+    source = TRAINER.read_text()
     source = replace_body(source, "GPT", "logits", FORK_LOGITS)
     source = replace_body(source, "MLP", "forward", FORK_MLP)
     assert FORK_LOGITS in source and FORK_MLP in source
@@ -214,12 +214,13 @@ def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_pat
     assert capsys.readouterr().out == IN_DOMAIN.decode(fork_tokens) + "\n"
 
 
-# One process (a fork of the warm interpreter, which has imported train_gpt): the trainer with
-# --hellaswag, then the tools alone, as in a process of their own: every module of the repository
-# imported so far (train_gpt, evals, the tokenizer) forgotten first
+# One process: the trainer with --hellaswag, then the tools alone, as in a process of their own:
+# every module of the repository imported so far (train_gpt, evals, the tokenizer) forgotten first,
+# but not those of a virtual environment kept in the repository's folder (torch's, say)
 ONE_TRAINER = """import glob
 import os
 import sys
+import sysconfig
 
 
 def trainers():
@@ -231,8 +232,10 @@ def trainers():
 import train_gpt
 assert train_gpt.main({options!r}) == 0
 print("with --hellaswag:", trainers())
+installed = tuple(os.path.join(sysconfig.get_path(name), "") for name in ("purelib", "platlib"))
 for name, module in list(sys.modules.items()):
-    if (getattr(module, "__file__", None) or "").startswith(os.path.join({repo!r}, "")):
+    path = getattr(module, "__file__", None) or ""
+    if path.startswith(os.path.join({repo!r}, "")) and not path.startswith(installed):
         del sys.modules[name]
 assert trainers() == []
 (checkpoint,) = glob.glob({checkpoints!r})
@@ -242,35 +245,27 @@ print("the tools alone:", trainers())
 """
 
 
-def one_trainer_run(request):
-    """ONE_TRAINER in a process of its own, on the background queue (queued at session start):
-    the tiny model, 1 step of one 128-token sequence, a checkpoint and --hellaswag on one
-    example; returns (the run's folder, the process's result)."""
-    if "one_trainer" not in BACKGROUND.futures:
-        folder = request.getfixturevalue("tmp_path_factory").mktemp("one_trainer")
-        train, val, _ = request.getfixturevalue("markov_shards")
-        data = folder / "val.jsonl"
-        data.write_text(json.dumps(dict(ctx="The cat", endings=["ran", "sat"], label=0)) + "\n")
-        options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
-                   "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
-                   "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "128",
-                   "--max_device_batch_size", "128", "--val_tokens", "128",
-                   "--save_checkpoint", "true", "--log_dir", str(folder / "logs"),
-                   "--hellaswag", "true", "--hellaswag_data", str(data), "--tokenizer",
-                   str(RANKS)]
-        code = ONE_TRAINER.format(repo=str(REPO), options=options, data=str(data),
-                                  ranks=str(RANKS),
-                                  checkpoints=str(folder / "logs" / "*" / "state_step000001.pt"))
-        # the repository importable through PYTHONPATH, whatever the working directory
-        env = worker_env(OMP_NUM_THREADS="1")
-        BACKGROUND.once("one_trainer", lambda: (folder, WARM_PYTHON.run(code, (), 600, cwd=folder,
-                                                                          env=env)))
-    return BACKGROUND.futures["one_trainer"]
-
-
-@pytest.mark.background.with_args(one_trainer_run)
-def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(request):
-    folder, result = one_trainer_run(request).result()
+def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(markov_shards,
+                                                                                 tmp_path):
+    """ONE_TRAINER in a process of its own: the tiny model, 1 step of one 128-token sequence, a
+    checkpoint and --hellaswag on one example."""
+    folder = tmp_path
+    train, val, _ = markov_shards
+    data = folder / "val.jsonl"
+    data.write_text(json.dumps(dict(ctx="The cat", endings=["ran", "sat"], label=0)) + "\n")
+    options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
+               "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",
+               "--num_iterations", "1", "--val_loss_every", "0", "--batch_size", "128",
+               "--max_device_batch_size", "128", "--val_tokens", "128",
+               "--save_checkpoint", "true", "--log_dir", str(folder / "logs"),
+               "--hellaswag", "true", "--hellaswag_data", str(data), "--tokenizer",
+               str(RANKS)]
+    code = ONE_TRAINER.format(repo=str(REPO), options=options, data=str(data),
+                              ranks=str(RANKS),
+                              checkpoints=str(folder / "logs" / "*" / "state_step000001.pt"))
+    # the repository importable, whatever the working directory
+    env = launch_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    result = run_process([sys.executable, "-c", with_trainer(code)], 600, cwd=folder, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert [line for line in lines if line.startswith("with --")] == [
@@ -279,7 +274,7 @@ def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(
     text = log.read_text()
     # the trainer's source, then the scorer's, each file named, then the line of 100 '='
     source_end = text.index("\n" + "=" * 100 + "\n")
-    assert text.startswith((REPO / "train_gpt.py").read_text())
+    assert text.startswith(TRAINER.read_text())
     scorers = ("evals/hellaswag.py", "evals/common.py", "data/gpt2_tokenizer.py", "data/files.py")
     for name in scorers:
         header = f"\n{'-' * 100}\n# {name}, which scored --hellaswag\n"

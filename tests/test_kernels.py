@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import LN_VOCAB
-from helpers import smoke_marked
+from helpers import TINY_MODEL
+from helpers import finished_log
 from helpers import val_losses
 
 import train_gpt
@@ -249,9 +250,19 @@ def test_fused_head_loss_under_torch_compile_runs_eagerly_and_matches_eager(monk
 
 @pytest.mark.slow
 @needs_triton
-@smoke_marked(("head", False), ("head", True))
-def test_smoke_run_with_the_fused_head_loss_has_the_plain_runs_val_losses(smoke_runs):
-    plain, fused = val_losses(smoke_runs.head(fused=False)), val_losses(smoke_runs.head(fused=True))
+def test_smoke_run_with_the_fused_head_loss_has_the_plain_runs_val_losses(markov_shards, tmp_path):
+    """2 steps of one 128-token sequence through TINY_MODEL, validated after the last, with each
+    head: the interpreted kernel costs about 10 ms a row of 50,304 logits, whatever the width."""
+    train, val, _ = markov_shards
+    logs = {}
+    for fused in ("false", "true"):
+        options = ["--preset", "smoke", "--train_files", train, "--val_files", val, *TINY_MODEL,
+                   "--num_iterations", "2", "--val_loss_every", "0", "--batch_size", "128",
+                   "--max_device_batch_size", "128", "--val_tokens", "128",
+                   "--fused_head_loss", fused, "--log_dir", str(tmp_path / fused)]
+        assert train_gpt.main(options) == 0
+        logs[fused] = finished_log(tmp_path / fused)
+    plain, fused = val_losses(logs["false"]), val_losses(logs["true"])
     # the head starts at zero: step 0's loss is ln 50,304 on both paths (10.83; 10.56 at step 2)
     assert sorted(plain) == sorted(fused) == [2] and plain[2] < LN_VOCAB - 0.1
     for step in plain:  # the same up to bf16 rounding (the plain path's softcap rounds to bf16)

@@ -18,11 +18,14 @@ import pytest
 import torch
 from helpers import REPO
 from helpers import TINY_RUN
+from helpers import TRAINER
 from helpers import finished_log
+from helpers import launch_env
+from helpers import run_process
+from helpers import started
 from helpers import tiny
-from processes import launch_env
-from processes import run_process
-from processes import started
+from helpers import torchrun
+from helpers import with_trainer
 
 import train_gpt
 
@@ -108,7 +111,7 @@ def test_a_missing_resume_file_is_named_on_each_node(rank, local_rank, prints, t
 
 def test_the_resume_command_pastes_as_the_run_was_launched(tmp_path, monkeypatch):
     path = str(tmp_path / "Bob's runs" / "state_step000400.pt")
-    script = os.path.relpath(REPO / "train_gpt.py")
+    script = os.path.relpath(TRAINER)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert shlex.split(train_gpt.resume_command(path, 1)) == ["python", script, "--resume", path]
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
@@ -136,7 +139,7 @@ def test_nvidia_smi_runs_once_a_run_with_a_time_limit(tmp_path, monkeypatch):
     loader = SimpleNamespace(files=["shard.bin"])
     for master in (False, True):  # rank 1, then rank 0
         with train_gpt.RunLog(args, master) as log:
-            log.header(args, 2, torch.device("cpu"), (loader, loader), 0.5, "")
+            log.header(args, 2, torch.device("cpu"), (loader, loader), 0.5, [])
     assert len(timeouts) == 1 and 0 < timeouts[0] <= 60
     lines = finished_log(tmp_path).read_text().splitlines()
     assert any(line.startswith("nvidia-smi: no table (TimeoutExpired: ") for line in lines)
@@ -163,31 +166,32 @@ else:
 """
 
 # python for run.sh: asked for the GPU count, $GPUS (without importing torch: quicker); otherwise
-# this interpreter, with train_gpt.py replaced by $RUN_SH_SCRIPT if set (a worker that fails or
-# stops)
+# this interpreter, with train_gpt.py replaced by $RUN_SH_SCRIPT (the trainer under test, or a
+# worker that fails or stops)
 PYTHON = """import os, shlex, sys
 if "torch.cuda.device_count()" in " ".join(sys.argv):
     print(os.environ["GPUS"])
     sys.exit()
 args = []
 for arg in sys.argv[1:]:
-    script = os.environ.get("RUN_SH_SCRIPT")
-    args += shlex.split(script) if script and arg == "train_gpt.py" else [arg]
+    args += shlex.split(os.environ["RUN_SH_SCRIPT"]) if arg == "train_gpt.py" else [arg]
 os.execv(sys.executable, [sys.executable, *args])
 """
 
 
 def run_sh_env(bin_folder, gpus, **extra):
-    """run.sh's environment: the stand-in python, with `gpus` GPUs, first on PATH."""
+    """run.sh's environment: the stand-in python, with `gpus` GPUs, first on PATH; the trainer under
+    test in place of train_gpt.py unless RUN_SH_SCRIPT is given."""
     stand_in(bin_folder, "python", PYTHON)
     path = os.pathsep.join([str(bin_folder), os.environ["PATH"]])
+    extra.setdefault("RUN_SH_SCRIPT", shlex.quote(str(TRAINER)))
     env = launch_env(PATH=path, GPUS=str(gpus), OMP_NUM_THREADS="1", **extra)
     env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
     return env
 
 
 # stands in for the trainer where run.sh hands the run over to it: its options, and exit code 1
-TRAINER = """import sys
+STAND_IN_TRAINER = """import sys
 print("the trainer, given:", *sys.argv[1:], file=sys.stderr)
 sys.exit(1)
 """
@@ -204,7 +208,7 @@ sys.exit(1)
 @pytest.mark.slow
 def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visible, says, tmp_path):
     stand_in(tmp_path / "bin", "nvidia-smi", nvidia_smi)
-    (tmp_path / "trainer.py").write_text(TRAINER)
+    (tmp_path / "trainer.py").write_text(STAND_IN_TRAINER)
     # torch sees no GPU
     env = run_sh_env(tmp_path / "bin", 0, RUN_SH_SCRIPT=shlex.quote(str(tmp_path / "trainer.py")))
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -238,6 +242,27 @@ def test_gpus_this_torch_cannot_use_are_named_with_the_fix(tmp_path, capsys, mon
     assert "Traceback" not in err and not (tmp_path / "logs").exists()
 
 
+# a rank of the trainer where rank 1 runs out of GPU memory in Muon's step of train step 1 (the
+# exception a GPU raises), while rank 0 goes on into the step's all-gather with it
+OUT_OF_MEMORY_ON_RANK_1 = """import os
+import torch
+import train_gpt
+muon_step = train_gpt.Muon.step
+steps = []
+
+
+def muon_step_out_of_memory_on_rank_1(self):
+    steps.append(len(steps) + 1)
+    if len(steps) == 1 and os.environ["RANK"] == "1":
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB")
+    return muon_step(self)
+
+
+train_gpt.Muon.step = muon_step_out_of_memory_on_rank_1
+sys.exit(train_gpt.main())
+"""
+
+
 def root_cause(stderr):
     """The first failure in torchrun's report: {field: value} (rank, exitcode, traceback, ...)."""
     assert "Root Cause (first observed failure):" in stderr, stderr[-3000:]
@@ -249,11 +274,12 @@ def root_cause(stderr):
 @needs_no_gpu
 def test_under_run_sh_torchruns_report_names_the_failing_rank_its_line_and_exit_code(
         markov_shards, tmp_path):
-    """Rank 1 runs out of memory in step 1 (tests/fail_worker.py); rank 0, waiting for it in the
-    step's collective, fails after it, and torchrun ends it: the report's first failure is rank 1,
-    with its exit code and its line."""
-    worker = f"{shlex.quote(str(REPO / 'tests' / 'fail_worker.py'))} 1"
-    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=worker, PYTHONPATH=str(REPO))
+    """Rank 1 runs out of memory in step 1; rank 0, waiting for it in the step's collective, fails
+    after it, and torchrun ends it: the report's first failure is rank 1, with its exit code and its
+    line."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(with_trainer(OUT_OF_MEMORY_ON_RANK_1))
+    env = run_sh_env(tmp_path / "bin", 2, RUN_SH_SCRIPT=shlex.quote(str(rank)))
     options = tiny(markov_shards, tmp_path / "logs", "--val_loss_every", "0")
     result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env)
     out_of_memory = ("error: out of GPU memory with micro-batches of 128 tokens: "
@@ -410,7 +436,7 @@ def test_once_the_console_has_gone_any_later_print_to_it_goes_nowhere():
 
 # rank 1 freezes (SIGSTOP) as step 2 begins, as a process that stops answering without dying;
 # argv[1]: the collectives' timeout in seconds
-FROZEN_RANK_WORKER = """import datetime, os, signal, sys
+FROZEN_RANK_WORKER = """import datetime, os, signal
 import train_gpt
 train_gpt.COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(sys.argv.pop(1)))
 agreed = train_gpt.CleanStop.agreed
@@ -426,13 +452,11 @@ sys.exit(train_gpt.main())
 def frozen_rank_run(markov_shards, tmp_path, timeout, grace):
     """torchrun on 2 processes of FROZEN_RANK_WORKER, torchrun's grace period `grace` seconds."""
     worker = tmp_path / "worker.py"
-    worker.write_text(FROZEN_RANK_WORKER)
+    worker.write_text(with_trainer(FROZEN_RANK_WORKER))
     options = tiny(markov_shards, tmp_path / "logs", "--num_iterations", "20",
                    "--val_loss_every", "0", "--checkpoint_every", "0")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(worker), str(timeout), *options]
-    env = launch_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-                     TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
+    command = torchrun(2, worker, timeout, *options)
+    env = launch_env(OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
     return started(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                    text=True)
 

@@ -1,20 +1,15 @@
 """Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64),
 and Muon in 2 and 3 processes against 1."""
 import os
-from pathlib import Path
 
-import muon_worker
 import pytest
 import torch
-from helpers import BACKGROUND
-from launch_worker import launch_part
-from launch_worker import outcome
-from muon_worker import SCHEDULE
-from muon_worker import SHAPES
-from muon_worker import STEPS
-from muon_worker import gradients
-from processes import WARM_PYTHON
-from processes import worker_env
+from helpers import inductor_on_the_cpu
+from helpers import launch_env
+from helpers import made_once
+from helpers import run_process
+from helpers import torchrun
+from helpers import with_trainer
 
 import train_gpt
 from train_gpt import Muon
@@ -99,36 +94,69 @@ def aspect_scale(p):
     return max(1, p.shape[0] / p.shape[1]) ** 0.5
 
 
-# The compiled cases: inductor's C++ on the CPU, seconds of one core, in a fork of the warm
-# interpreter on the background queue, beside the in-process tests; in the folder tests/, where
-# `python -c` finds muon_worker and helpers
-COMPILED_CASES = """import sys
-import muon_worker
-muon_worker.compiled_cases(sys.argv[1])
-"""
+# batches (3, 16, 40) (a tall matrix transposed into it) and (2, 24, 24); small, so inductor
+# compiles fast
+MIXED = [(16, 40), (40, 16), (16, 40), (24, 24), (24, 24)]
+# compiled: one stacked shape, one graph (each costs seconds of C++ compile on a CPU); eager covers
+# two groups
+SHAPES_FOR = {False: MIXED, True: MIXED[:3]}
+# lr and momentum of 4 steps, which the training loop sets in each step
+SCHEDULE = [(0.05, 0.85), (0.04, 0.9), (0.03, 0.95), (0.02, 0.95)]
 
 
-def compiled_in_background(request):
-    """The compiled cases' results (muon_worker.compiled_cases), once; gives the job's future."""
-    tmp = request.getfixturevalue("tmp_path_factory")
+def batched_step(compiled):
+    """One step (momentum 0: the update is the gradient itself; lr 1: the step is the scaled update)
+    on matrices of scales 1e-3 to 10 in one batch; gives (their gradients, their values after)."""
+    torch.manual_seed(3)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES_FOR[compiled]]
+    for i, p in enumerate(params):
+        p.grad = torch.randn(p.shape) * 10.0 ** (i - 3)
+    Muon(params, lr=1.0, momentum=0.0, compiled=compiled).step()
+    return [p.grad for p in params], [p.detach() for p in params]
 
-    def run():
-        path = tmp.mktemp("muon_compiled") / "cases.pt"
-        result = WARM_PYTHON.run(COMPILED_CASES, [path], 300, cwd=Path(__file__).resolve().parent,
-                                 env=worker_env(OMP_NUM_THREADS="1"))
-        assert result.returncode == 0, result.stderr[-3000:]
-        return torch.load(path)
-    return BACKGROUND.once("muon_compiled", run)
+
+def scheduled_steps(compiled, nesterov):
+    """SCHEDULE's steps from random values and gradients; gives (the values at the start, the
+    gradients of each step, the values after, the names in each matrix's optimiser state)."""
+    torch.manual_seed(4)
+    shapes = SHAPES_FOR[compiled]
+    start = [torch.randn(shape) for shape in shapes]
+    grads_per_step = [[torch.randn(shape) for shape in shapes] for _ in SCHEDULE]
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    muon = Muon(params, lr=1.0, momentum=0.0, nesterov=nesterov, compiled=compiled)
+    for grads, (lr, m) in zip(grads_per_step, SCHEDULE):
+        for group in muon.param_groups:
+            group["lr"] = lr
+            group["momentum"] = m
+        for p, g in zip(params, grads):
+            p.grad = g
+        muon.step()
+    state = [sorted(s) for s in muon.state_dict()["state"].values()]
+    return start, grads_per_step, [p.detach() for p in params], state
+
+
+def compiled_cases(folder):
+    """Both cases compiled by inductor (seconds of C++ on a CPU), saved in folder; gives the number
+    of graphs compiled."""
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with inductor_on_the_cpu():
+        cases = {"batched": batched_step(True)}
+        cases.update({nesterov: scheduled_steps(True, nesterov) for nesterov in (True, False)})
+    torch.save(cases, folder / "cases.pt")
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
 
 
 def compiled_case(request, key):
-    """A compiled case's results: "batched" (batched_step), or scheduled_steps' with Nesterov (True)
-    or without (False)."""
-    return compiled_in_background(request).result()[key]
+    """A compiled case's results, made once per session: "batched" (batched_step), scheduled_steps'
+    with Nesterov (True) or without (False), or "graphs", the number of graphs they compiled."""
+    factory = request.getfixturevalue("tmp_path_factory")
+    folder, graphs = made_once(factory, "muon_compiled", compiled_cases)
+    if key == "graphs":
+        return graphs
+    return torch.load(folder / "cases.pt")[key]
 
 
-COMPILED = pytest.param(True, marks=[pytest.mark.slow,
-                                     pytest.mark.background.with_args(compiled_in_background)])
+COMPILED = pytest.param(True, marks=pytest.mark.slow)
 
 
 @pytest.mark.record18
@@ -141,7 +169,7 @@ def test_batched_step_gives_each_matrix_its_own_iteration(request, compiled):
         # compiled, once for all the cases
         assert compiled_case(request, "graphs") == 1
     else:
-        grads, params = muon_worker.batched_step(False)
+        grads, params = batched_step(False)
     for grad, p in zip(grads, params):
         update = -p / aspect_scale(p)
         assert relative_error(update, newton_schulz_float64(grad, 5)) < 0.05
@@ -170,7 +198,7 @@ def test_muon_step_matches_float64(request, compiled, nesterov):
     if compiled:
         start, grads_per_step, params, state = compiled_case(request, nesterov)
     else:
-        start, grads_per_step, params, state = muon_worker.scheduled_steps(False, nesterov)
+        start, grads_per_step, params, state = scheduled_steps(False, nesterov)
     reference = muon_float64(start, grads_per_step, SCHEDULE, nesterov)
     for p, p0, ref in zip(params, start, reference):
         assert relative_error(p - p0, ref - p0) < 0.05  # the steps taken, to bf16 accuracy
@@ -181,11 +209,35 @@ def test_muon_step_matches_float64(request, compiled, nesterov):
 
 # --- Muon, distributed ------------------------------------------------------------------------
 
+# stacked as 5 of (32, 48), tall ones transposed: shares 3+2 on 2 ranks, 2+2+1 on 3; one (16, 48)
+# and two (24, 24): fewer matrices than ranks, so some ranks send only padding
+SHAPES = [(32, 48), (48, 32), (32, 48), (32, 48), (48, 32), (48, 16), (24, 24), (24, 24)]
+STEPS = 3
+
+
+def gradients(step, params):
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=gen) for p in params]
+
+
+def train():
+    """STEPS steps of the trainer's Muon on SHAPES, in whatever world RANK and WORLD_SIZE describe
+    (Muon reads them): in this process, and in each rank of the torchrun launch below."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    optimizer = Muon(params, lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        for p, g in zip(params, gradients(step, params)):
+            p.grad = g
+        optimizer.step()
+    return [p.detach() for p in params]
+
+
 @pytest.fixture(scope="module")
 def one_process():
     """The worker's training in this process: world size 1, no process group."""
     assert "WORLD_SIZE" not in os.environ
-    return muon_worker.train()
+    return train()
 
 
 def muon_reference(shapes, steps):
@@ -207,16 +259,47 @@ def test_muon_one_process_matches_plain_muon(one_process):
         torch.testing.assert_close(a, ref, rtol=0, atol=2e-3)
 
 
+# a rank of a launch of 3: train() in that world, then in ranks 0 and 1 alone, a world of 2; each
+# world through a store of its own in FOLDER, where its rank 0 saves the parameters
+MUON_IN_3_AND_2_PROCESSES = """import os
+from pathlib import Path
+import torch
+import helpers
+import test_muon
+folder = Path(sys.argv[1])
+rank = int(os.environ["RANK"])
+for world_size in (3, 2):
+    if rank < world_size:
+        # Muon reads the world from the environment
+        os.environ["WORLD_SIZE"] = str(world_size)
+        store = torch.distributed.FileStore(str(folder / f"store_{world_size}"), world_size)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank,
+                                             world_size=world_size)
+        params = test_muon.train()
+        if rank == 0:
+            torch.save(params, folder / f"{world_size}.pt")
+        torch.distributed.destroy_process_group()
+helpers.exit_as_a_rank(0)
+"""
+
+
+def muon_in_3_and_2_processes(folder):
+    """Muon's parameters in worlds of 3 and 2, in folder as 3.pt and 2.pt."""
+    (folder / "rank.py").write_text(with_trainer(MUON_IN_3_AND_2_PROCESSES))
+    launch = torchrun(3, folder / "rank.py", folder)
+    result = run_process(launch, 300, env=launch_env(OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @pytest.mark.slow
-@pytest.mark.background.with_args(launch_part("muon"))
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_muon_processes_match_one(request, one_process, nproc):
+def test_muon_processes_match_one(one_process, nproc, tmp_path_factory):
     """Uneven shares and groups smaller than the world (see SHAPES): every matrix is still applied
-    once. In the first part of tests/launch_worker.py's torchrun launch (3 processes, then ranks 0
-    and 1 alone)."""
-    muon = outcome(request, "muon")
-    assert muon.codes == [0, 0, 0], "".join(muon.stderr)[-3000:]
-    for a, b in zip(one_process, torch.load(muon.log_dir / f"{nproc}.pt")):
+    once. Under torchrun, as the trainer is launched (one launch for both, made once)."""
+    folder, _ = made_once(tmp_path_factory, "muon_processes", muon_in_3_and_2_processes)
+    processes = torch.load(folder / f"{nproc}.pt")
+    assert len(processes) == len(one_process) == len(SHAPES)
+    for a, b in zip(one_process, processes):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 

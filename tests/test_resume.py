@@ -11,19 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO
-from helpers import SOURCE
+from helpers import TRAINER
 from helpers import finished_log
+from helpers import launch_env
+from helpers import made_once
+from helpers import run_process
 from helpers import step_lines
 from helpers import tiny
+from helpers import torchrun
 from helpers import val_losses
-from launch_worker import launch_part
-from launch_worker import outcome
-from launch_worker import reference_run
+from helpers import with_trainer
 
 import train_gpt
 
 # this file's digest, as a checkpoint of it records it
-SOURCE_SHA256 = hashlib.sha256(SOURCE.encode()).hexdigest()
+SOURCE_SHA256 = hashlib.sha256(TRAINER.read_bytes()).hexdigest()
 
 # real runs of the trainer, every test
 pytestmark = pytest.mark.slow
@@ -74,7 +76,8 @@ def test_sigterm_on_one_process_stops_after_the_step_and_resumes_to_identical_lo
     last = folder / "state_step000003.pt"
     # the last two kept
     assert sorted(p.name for p in folder.iterdir()) == ["state_step000002.pt", last.name]
-    stop_line = f"stopped by SIGTERM after step 3; resume with: python train_gpt.py --resume {last}"
+    script = os.path.relpath(TRAINER)
+    stop_line = f"stopped by SIGTERM after step 3; resume with: python {script} --resume {last}"
     assert capsys.readouterr().err.splitlines()[-1] == stop_line
     text = log.read_text().splitlines()
     assert text[-1] == stop_line and text[-2].startswith("peak memory consumption: ")
@@ -130,7 +133,7 @@ def test_sighup_stops_like_sigterm_with_a_resume_command_that_works_pasted(
     log = finished_log(log_dir)
     checkpoint = log_dir / log.stem / "state_step000001.pt"
     assert checkpoint.is_file()
-    script = os.path.relpath(REPO / "train_gpt.py")
+    script = os.path.relpath(TRAINER)
     assert shlex.split(command) == ["python", script, "--resume", str(checkpoint)]
 
 
@@ -151,31 +154,67 @@ def test_under_nohup_a_hang_up_does_not_stop_the_run(
 
 @pytest.fixture(scope="session")
 def reference(markov_shards, tmp_path_factory):
-    """The run not interrupted, in a process of its own (on one thread): its val losses and its
-    checkpoints (every 4 steps). Made once: on the background queue where the torchrun launch is
-    due, else here."""
-    return reference_run(markov_shards, tmp_path_factory)
+    """The run not interrupted, made once per session: its val losses and its checkpoints (every 4
+    steps)."""
+    def run(folder):
+        assert train_gpt.main(tiny(markov_shards, folder, "--checkpoint_every", "4")) == 0
+        return list(val_losses(finished_log(folder)).items())
+    folder, losses = made_once(tmp_path_factory, "resume_reference", run)
+    return dict(losses), sorted(folder.glob("*/state_step*.pt"))
 
 
-@pytest.mark.background.with_args(launch_part("stopped"))
+# a rank of the trainer where, at step 5, rank 0 sends SIGTERM to torchrun's agent (which forwards
+# it to every worker: a preemption) and goes on once its own handler has had it; the ranks exchange
+# the stop flag at every step
+PREEMPTED_AT_STEP_5 = """import os
+import signal
+import time
+import train_gpt
+agreed = train_gpt.CleanStop.agreed
+received = []
+
+
+def preempted_at_step_5(self, step):
+    if step == 5 and os.environ["RANK"] == "0":
+        handler = signal.getsignal(signal.SIGTERM)
+
+        def noted(signum, frame):
+            received.append(signum)
+            handler(signum, frame)
+        signal.signal(signal.SIGTERM, noted)
+        os.kill(os.getppid(), signal.SIGTERM)
+        while not received:
+            time.sleep(0.01)
+    return agreed(self, step)
+
+
+train_gpt.CleanStop.agreed = preempted_at_step_5
+train_gpt.STOP_CHECK_EVERY = 1
+sys.exit(train_gpt.main(sys.argv[1:]))
+"""
+
+
 def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_across_process_counts(
-        reference, request, tmp_path, one_thread):
-    """1 -> 2 -> 1 processes: the reference's step-4 checkpoint resumed on 2 processes, which
-    torchrun stops after step 6 (the last part of tests/launch_worker.py's launch), then that
-    checkpoint resumed on 1 process (here) to the end."""
+        reference, tmp_path, one_thread):
+    """1 -> 2 -> 1 processes: the reference's step-4 checkpoint resumed on 2 processes under
+    torchrun, preempted at step 5: all stop after step 6; then that checkpoint resumed on 1 process
+    (here) to the end."""
     expected, checkpoints = reference
-    stopped_run = outcome(request, "stopped")
-    result = stopped_run.result
+    rank = tmp_path / "rank.py"
+    rank.write_text(with_trainer(PREEMPTED_AT_STEP_5))
+    log_dir = tmp_path / "stopped"
+    launch = torchrun(2, rank, "--resume", checkpoints[0], "--log_dir", log_dir)
+    result = run_process(launch, 300, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"))
     # torchrun itself ends with its own traceback (SignalException) and exit code 1; the workers,
     # without one
     assert result.returncode == 1, result.stderr[-3000:]
     assert "SignalException: Process" in result.stderr, result.stderr[-3000:]
-    assert 'train_gpt.py", line' not in result.stderr
-    log = finished_log(stopped_run.log_dir)
+    assert f'{TRAINER.name}", line' not in result.stderr
+    log = finished_log(log_dir)
     stopped = log.parent / log.stem / "state_step000006.pt"
     stop_line = (
         "stopped by SIGTERM after step 6; resume with: torchrun --standalone --nproc_per_node=2 "
-        f"train_gpt.py --resume {stopped}"
+        f"{os.path.relpath(TRAINER, REPO)} --resume {stopped}"
     )
     assert log.read_text().splitlines()[-1] == stop_line and stop_line in result.stderr.splitlines()
     # validation at the step resumed from; none at the stop

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import kill_group
-from processes import start_process
+from helpers import kill_tree
+from helpers import start_process
 
 # a parent that starts a child in a session of its own (as torchrun starts its workers), says the
 # child's pid, then waits
@@ -36,7 +36,7 @@ def test_a_killed_group_takes_a_child_in_a_session_of_its_own_with_it():
                            text=True)
     child = int(parent.stdout.readline())
     assert os.getsid(child) == child != os.getsid(parent.pid)
-    kill_group(parent)
+    kill_tree(parent)
     parent.wait()
     deadline = time.monotonic() + 10
     while alive(child) and time.monotonic() < deadline:

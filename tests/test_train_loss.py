@@ -5,7 +5,6 @@ import re
 import pytest
 import torch
 from helpers import LN_VOCAB
-from helpers import smoke_marked
 
 import train_gpt
 
@@ -61,7 +60,6 @@ def plain_loop(smoke_runs):
     return plain_loop_losses(args, steps=2)
 
 
-@smoke_marked(("short", 1))
 def test_one_process_logs_the_mean_over_its_micro_batches(smoke_runs, plain_loop):
     logged = logged_train_losses(smoke_runs.short(1))
     assert sorted(logged) == [1, 2, 3, 4] and logged[1] == round(LN_VOCAB, 4)
@@ -71,7 +69,6 @@ def test_one_process_logs_the_mean_over_its_micro_batches(smoke_runs, plain_loop
     assert logged[4] < logged[2] < logged[1]
 
 
-@smoke_marked(("short", 1), ("short", 2))
 def test_two_processes_log_rank_0s_micro_batch(smoke_runs, plain_loop):
     logged = logged_train_losses(smoke_runs.short(2))
     for step, (first, _) in enumerate(plain_loop, 1):

@@ -12,12 +12,17 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import REPO
+from helpers import TRAINER
 from helpers import at_step
 from helpers import finished_log
-from launch_worker import launch_part
-from launch_worker import outcome
-from launch_worker import shards
-from launch_worker import tiny_run
+from helpers import launch_env
+from helpers import ranks_of
+from helpers import run_process
+from helpers import small_shards
+from helpers import tiny_run
+from helpers import torchrun
+from helpers import with_trainer
 
 import train_gpt
 
@@ -60,7 +65,7 @@ def one_line_error(capsys, code):
 
 @pytest.mark.parametrize("kind", ["folder", "pipe"])
 def test_a_glob_matching_a_folder_or_a_pipe_is_one_line_naming_it(kind, tmp_path, capsys, no_hang):
-    train, val = shards(tmp_path / "data")
+    train, val = small_shards(tmp_path / "data")
     odd = tmp_path / "data" / "t_000003.bin"
     if kind == "folder":
         odd.mkdir()
@@ -77,8 +82,8 @@ def test_a_folder_the_glob_cannot_list_is_one_line_naming_it(tmp_path, capsys, m
     """data/a/ and data/b/ hold train shards and b cannot be listed (os.scandir refuses it, as it
     would a user without the right: the tests may run as root): one line naming b, never a run on
     a's shards alone."""
-    _, val = shards(tmp_path / "data" / "a")
-    shards(tmp_path / "data" / "b")
+    _, val = small_shards(tmp_path / "data" / "a")
+    small_shards(tmp_path / "data" / "b")
     blocked = str(tmp_path / "data" / "b")
     scandir = os.scandir
 
@@ -96,7 +101,7 @@ def test_a_folder_the_glob_cannot_list_is_one_line_naming_it(tmp_path, capsys, m
 
 def test_a_glob_character_in_a_folder_name_is_named_with_its_escape(tmp_path, capsys):
     folder = tmp_path / "run[1]"
-    train, val = shards(folder)
+    train, val = small_shards(folder)
     literal = f"{folder}/t_*"
     line = one_line_error(capsys, train_gpt.main(tiny_run(literal, val, tmp_path / "logs")))
     assert line == (f"error: no data shard matches {literal!r}: [ and ? are glob characters: "
@@ -154,7 +159,7 @@ MID_RUN_FAULTS = {
 def test_a_shard_that_changes_mid_run_stops_it_naming_the_file(fault, tmp_path, capsys,
                                                               monkeypatch):
     """Shard 2 changes at step 1; the loader opens it at step 2: the run ends there, one line."""
-    train, val = shards(tmp_path / "data", SMALL_SHARDS)
+    train, val = small_shards(tmp_path / "data", SMALL_SHARDS)
     shard = tmp_path / "data" / "t_000002.bin"
     change, says = MID_RUN_FAULTS[fault]
     at_step(monkeypatch, {1: lambda: change(shard)})
@@ -170,7 +175,7 @@ def test_a_shard_that_changes_mid_run_stops_it_naming_the_file(fault, tmp_path, 
 @pytest.mark.slow
 def test_a_shard_replaced_mid_run_keeps_a_checkpoint_that_resumes_once_it_is_back(tmp_path, capsys,
                                                                                   monkeypatch):
-    train, val = shards(tmp_path / "data", SMALL_SHARDS)
+    train, val = small_shards(tmp_path / "data", SMALL_SHARDS)
     shard = tmp_path / "data" / "t_000002.bin"
     original = shard.read_bytes()
     at_step(monkeypatch, {1: lambda: replace_with_shorter(shard)})
@@ -181,7 +186,8 @@ def test_a_shard_replaced_mid_run_keeps_a_checkpoint_that_resumes_once_it_is_bac
     assert "changed since the run started (300 tokens then, 200 now): restore it" in line
     log = finished_log(tmp_path / "logs")
     checkpoint = tmp_path / "logs" / log.stem / "state_step000002.pt"
-    assert line.endswith(f"restore it, then: python train_gpt.py --resume {checkpoint}"), line
+    script = os.path.relpath(TRAINER)
+    assert line.endswith(f"restore it, then: python {script} --resume {checkpoint}"), line
     assert log.read_text().splitlines()[-1] == line
     assert torch.load(checkpoint, weights_only=False)["loader"] == (0, 256)
     # the shard back as it was: the resume reads it and finishes
@@ -224,27 +230,60 @@ def test_a_full_disk_closes_the_log_and_records_the_failure_without_an_error(tmp
     assert lines[-1] == "step:1/2 val_loss:2.0"
 
 
+# a rank of the trainer (options after the shard's path) where, from step 1 on, rank 0 alone reads
+# 400 tokens in the shard's header (its node's copy changed)
+SHARD_CHANGED_ON_RANK_0 = """import os
+import helpers
+import train_gpt
+shard, *options = sys.argv[1:]
+agreed = train_gpt.CleanStop.agreed
+read_shard_header = train_gpt.read_shard_header
+
+
+def shorter(path):
+    return 400 if path == shard else read_shard_header(path)
+
+
+def changed_after_step_1(self, step):
+    if step == 1 and os.environ["RANK"] == "0":
+        train_gpt.read_shard_header = shorter
+    return agreed(self, step)
+
+
+train_gpt.CleanStop.agreed = changed_after_step_1
+helpers.exit_as_a_rank(train_gpt.main(options))
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.background.with_args(launch_part("shard_changed"))
-def test_a_shard_changed_for_one_rank_stops_every_rank_after_a_checkpoint(request):
+def test_a_shard_changed_for_one_rank_stops_every_rank_after_a_checkpoint(tmp_path):
     """From step 1 on, rank 0 alone reads 400 tokens in train shard 2's header (its node's copy
-    changed), rank 1 the shard as it was: on 2 processes, a part of
-    tests/launch_worker.py's torchrun launch."""
-    shard_changed = outcome(request, "shard_changed")
-    stderr = "".join(shard_changed.stderr)
+    changed), rank 1 the shard as it was: on 2 processes under torchrun."""
+    train, val = small_shards(tmp_path / "data")
+    shard = str(tmp_path / "data" / "t_000002.bin")
+    log_dir = tmp_path / "shard_changed"
+    options = tiny_run(train, val, log_dir, "--save_checkpoint", "true")
+    rank = tmp_path / "rank.py"
+    rank.write_text(with_trainer(SHARD_CHANGED_ON_RANK_0))
+    launch = torchrun(2, "--log-dir", tmp_path / "ranks", "--redirects", "3", rank, shard,
+                      *options)
+    result = run_process(launch, 300, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"))
+    ranks = ranks_of(tmp_path / "ranks")
+    stderr = "".join(rank["stderr"] for rank in ranks) + result.stderr
     # each process's main() ends with exit code 1 (torchrun's, then), without a worker's traceback
-    assert shard_changed.codes == [1, 1] and 'train_gpt.py", line' not in stderr, stderr
-    log = finished_log(shard_changed.log_dir)
-    checkpoint = shard_changed.log_dir / log.stem / "state_step000002.pt"
-    shard = str(shard_changed.log_dir.parent / "data" / "t_000002.bin")
+    codes = [rank["code"] for rank in ranks]
+    assert codes == [1, 1] and f'{TRAINER.name}", line' not in stderr, stderr
+    log = finished_log(log_dir)
+    checkpoint = log_dir / log.stem / "state_step000002.pt"
     last = log.read_text().splitlines()[-1]
     assert last.startswith(f"error: {shard}: {CHANGED}, then: torchrun --standalone "), last
-    assert last.endswith(f"--nproc_per_node=2 train_gpt.py --resume {checkpoint}")
-    assert shard_changed.last_lines[0] == last
+    script = os.path.relpath(TRAINER, REPO)
+    assert last.endswith(f"--nproc_per_node=2 {script} --resume {checkpoint}")
+    assert ranks[0]["last_line"] == last
     # rank 1 stopped with it, after the same step, and took its part in the checkpoint; its last
     # line, which torchrun's report quotes
     rank_one = f"error: {shard}: another process of the run could not read it again, then: "
-    assert shard_changed.last_lines[1].startswith(rank_one)
+    assert ranks[1]["last_line"].startswith(rank_one)
     assert torch.load(checkpoint, weights_only=False)["step"] == 2
 
 
@@ -253,7 +292,7 @@ def test_a_val_shard_that_changes_mid_run_ends_it_after_the_steps_checkpoint(tmp
                                                                               monkeypatch):
     """Two val shards of 200 tokens: each validation reads both. The second changes at step 1; the
     validation of step 2 meets it, writes step 2's checkpoint, and the line says how to resume."""
-    train, _ = shards(tmp_path / "data", SMALL_SHARDS)
+    train, _ = small_shards(tmp_path / "data", SMALL_SHARDS)
     for k in (1, 2):
         train_gpt.write_data_shard(tmp_path / "data" / f"w_{k:06d}.bin",
                                    train_gpt.markov_stream(200, seed=10 + k))
