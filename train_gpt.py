@@ -807,6 +807,7 @@ def train(args, checkpoint=None):
 
 import argparse
 import collections
+import ctypes
 import datetime
 import filecmp
 import hashlib
@@ -1136,6 +1137,16 @@ def check_batch_plan(args, world_size):
     if args.val_tokens % val_batch:
         raise UserError(f"--val_tokens {args.val_tokens} must be a multiple of processes x "
                         f"--max_device_batch_size = {val_batch}")
+
+def keep_freed_memory():
+    """On a CPU, with glibc: freed memory kept for the next allocation, not returned to the system.
+    A step's logits (100+ MB) are otherwise mapped, faulted in and unmapped afresh each time: half
+    of a smoke run's time (40 s instead of 20, measured). Elsewhere (macOS), nothing changes."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        # M_TRIM_THRESHOLD: keep up to 1 GiB of freed memory; M_MMAP_MAX: no block mapped alone
+        libc.mallopt(-1, 2 ** 30)
+        libc.mallopt(-4, 0)
 
 def synchronize(device):
     if device.type == "cuda":
@@ -1861,6 +1872,8 @@ class Run(contextlib.AbstractContextManager):
         self.args = args
         self.checkpoint = checkpoint
         self.rank, self.world_size, self.device = setup_device()
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.master = self.rank == 0
         self.compiled = switched_on(args.compile, self.device)
         # each shard's facts at start-up, by path; the CPU group on which the ranks agree

@@ -2,7 +2,6 @@
 started), a result made once per session however many xdist workers ask for it, shards, small
 runs, and readers of the trainer's log. Fixtures are in conftest.py."""
 import atexit
-import concurrent.futures
 import contextlib
 import fcntl
 import glob
@@ -19,7 +18,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # the trainer under test; conftest.py sets it (from --trainer) before the test modules are imported
@@ -356,20 +354,3 @@ def val_losses(log_path):
         elif not STARTUP_LINE.match(line):
             assert TRAIN_LINE.match(line), f"line does not parse: {line!r}"
     return losses
-
-
-# --- until test_compare.py and test_ab.py drop them: nothing runs in the background now -----------
-
-class Background:
-    def once(self, key, fn, *args, **kwargs):
-        """fn's result, as a future already done."""
-        future = concurrent.futures.Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
-
-
-BACKGROUND = Background()
-
-
-def smoke_marked(*runs):
-    return pytest.mark.background

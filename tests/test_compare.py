@@ -22,7 +22,6 @@ from helpers import REPO
 from helpers import launch_env
 from helpers import load_records_script
 from helpers import run_process
-from helpers import smoke_marked
 
 SCRIPT = REPO / "records" / "compare.py"
 
@@ -532,7 +531,6 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@smoke_marked(("short", 1), ("short", 2), ("full",))
 def test_smoke_run_logs(smoke_logs, capsys):
     """Logs written by real smoke runs of the trainer parse and compare."""
     assert len(smoke_logs) >= 2

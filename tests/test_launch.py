@@ -344,21 +344,6 @@ def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_every_rank_on_sigterm(tm
     assert proc.returncode != 0
 
 
-@pytest.mark.slow
-@needs_no_gpu
-def test_an_option_error_under_run_sh_is_the_first_failure_in_torchruns_report(tmp_path):
-    """Options that 2 processes refuse: each rank's line, the report's first failure among them."""
-    env = run_sh_env(tmp_path / "bin", 2)
-    # 2 processes x 128 tokens do not divide 128 val tokens: an error once the count is known
-    options = ["--preset", "smoke", "--val_tokens", "128", "--max_device_batch_size", "128",
-               "--batch_size", "256", "--log_dir", str(tmp_path / "logs")]
-    result = run_process(["bash", str(REPO / "run.sh"), *options], 300, env=env, cwd=REPO)
-    assert result.returncode == 1, result.stderr[-3000:]
-    first = root_cause(result.stderr)
-    assert first["traceback"] == ("error: --val_tokens 128 must be a multiple of processes x "
-                                  "--max_device_batch_size = 256") and first["exitcode"][0] == "1"
-
-
 def worker_of_rank(parent, rank):
     """The process id of the torchrun worker of this rank among parent's descendants."""
     children = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True,
