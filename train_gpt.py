@@ -626,7 +626,7 @@ def load_data_shard(path):
 class DistributedDataLoader:
     """All ranks walk one global token stream: of each batch, rank r takes the r-th share (and one
     more token, the last target). Shards are read in sorted name order, wrapping around, each by
-    read_shard (the trainer's checks a shard against what it was at start-up)."""
+    read_shard (the trainer's checks each against what it was at start-up)."""
     def __init__(self, files_pattern, rank, world_size, device, read_shard=load_data_shard):
         self.files = sorted(glob.glob(files_pattern))
         self.rank = rank
@@ -802,7 +802,8 @@ def train(args, checkpoint=None):
 # ==================================================================================================
 # Above: the speedrun; a change to its model, optimiser or schedule needs nothing below the fence.
 # Below: the fused-head kernels, the default GPU path in place of GPT.head_loss where a start-up
-# check finds they compute it; then device set-up, data, run log, compile cache, checkpoints, main.
+# check finds they compute it; then checks, device set-up, data, run log, compile cache,
+# checkpoints and stopping, the Run that train() reaches them through, arguments, main.
 # ==================================================================================================
 
 import argparse
@@ -2153,7 +2154,8 @@ class Run(contextlib.AbstractContextManager):
                        "before it")
         when = f"after step {self.step}"
         if during:
-            when = f"during step {self.step}, which did not end within torchrun's grace period"
+            step = "the set-up" if self.step is None else f"step {self.step}"
+            when = f"during {step}, which did not end within torchrun's grace period"
         stopped_by = f"error: {log.failure}: stopped"
         if not log.failure:
             stopped_by = f"stopped by {signal.Signals(self.stop_signal).name}"
