@@ -1,7 +1,8 @@
 """How a run is launched, and how it ends beyond one process: torchrun's variables left in a shell,
-run.sh (with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`, on PATH), a rank
-that fails among several, an option error whose rank torchrun ends, a rank killed mid-run, the
-command printed to resume, a console that goes away, and nvidia-smi in the log."""
+whatever their mix, run.sh (with a stand-in `python` that reports GPUs, or a stand-in `nvidia-smi`,
+on PATH), torchrun's report naming the rank that failed first (and one killed), a rank that stops
+answering, a stop while another rank is frozen, the command printed to resume, a console that goes
+away, and nvidia-smi in the log."""
 import contextlib
 import os
 import re

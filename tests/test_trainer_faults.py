@@ -1,10 +1,10 @@
 """Faults a user meets in the trainer's data, each checked against what is left: the exit code,
 the last line on stderr and in the log, the files. Shards that are folders, pipes or glob-looking
-names; shards that change, vanish or turn into folders mid-run (with a checkpoint where one is due,
-and a resume once the shard is back); advice a resume would refuse; a shard changed for one rank of
-two; rank 0's log written from two threads; the synthetic stream, the same tokens as the
-list-built one it replaced. (A final checkpoint the disk has no room for: tests/test_disk.py; an
-option error under run.sh: tests/test_launch.py.)
+names, folders a glob cannot list; shards that change (in place too), vanish or turn into folders
+mid-run, train and val shards (with a checkpoint where one is due, and a resume once the shard is
+back); advice a resume would refuse; a shard changed for one rank of two; a log on a full disk; the
+synthetic stream, the same tokens as the list-built one it replaced. (A final checkpoint the disk
+has no room for: tests/test_disk.py; a failing rank under run.sh: tests/test_launch.py.)
 
 Run: `pytest tests/test_trainer_faults.py` (add `-m "not slow"` for the quick ones)."""
 import os
