@@ -320,6 +320,32 @@ def as_nohup_starts_it():
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
+# a fork that says where it ran and with what
+FORK = """import os, sys
+print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "ran", os.path.basename(__file__),
+      *sys.argv[1:], file=sys.stderr)
+"""
+
+
+@needs_no_gpu
+@pytest.mark.slow
+def test_run_sh_launches_the_script_it_is_given_first_with_the_options_after_it(tmp_path):
+    """`./run.sh my_attempt.py --num_iterations 200` from another folder, on two stand-in GPUs:
+    torchrun runs the fork (not train_gpt.py) on both, with its options."""
+    fork = tmp_path / "forks" / "my_attempt.py"
+    fork.parent.mkdir()
+    fork.write_text(FORK)
+    env = run_sh_env(tmp_path / "bin", 2)
+    command = ["bash", str(REPO / "run.sh"), "forks/my_attempt.py", "--num_iterations", "200"]
+    result = run_process(command, 120, env=env, cwd=tmp_path)
+    ran = sorted(line for line in result.stderr.splitlines() if line.startswith("rank "))
+    assert result.returncode == 0 and ran == [
+        "rank 0 of 2 ran my_attempt.py --num_iterations 200",
+        "rank 1 of 2 ran my_attempt.py --num_iterations 200"], result.stderr[-3000:]
+    missing = run_process(["bash", str(REPO / "run.sh"), "nothere.py"], 60, env=env, cwd=tmp_path)
+    assert missing.returncode == 1 and missing.stderr == "run.sh: nothere.py: no such script\n"
+
+
 @needs_no_gpu
 @pytest.mark.slow
 def test_under_nohup_run_sh_ignores_a_hang_up_and_stops_every_rank_on_sigterm(tmp_path):
