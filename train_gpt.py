@@ -186,10 +186,9 @@ class Hyperparameters:
     # fused head: logits by chunks of rows (0: all at once)
     head_chunk_rows: int = option(0, AT_LEAST_0, graph=True)
 
-# A small model and a short run: under a minute on a 2-core CPU, every part exercised, on generated
-# documents (no download). A CPU step is mostly the 50,304-wide head: so 12 steps, and 8x the
-# record's head lr to learn in them. A step is 2 micro-batches on 1 process (1 to 8 fit); the window
-# grows to the whole 512-token sequence.
+# A small model, a short run on generated documents (no download): every part exercised in under a
+# minute on a 2-core CPU, where a step is mostly the 50,304-wide head: so 12 steps, with 8x the
+# head lr. A step: 2 micro-batches on 1 process (1 to 8 fit); the window grows to the 512 tokens.
 PRESETS = {
     "smoke": dict(num_layers=8, num_heads=2, model_dim=64, head_lr=0.064, num_iterations=12,
                   val_loss_every=4, batch_size=1024, max_device_batch_size=512, val_tokens=4096,
@@ -747,7 +746,6 @@ def train(args, checkpoint=None):
         micro_batch, accum_steps, val_batch = micro_batch_plan(args, run.world_size)
         model, train_model, optimizers = build_model(args, run)
         adam, muon = optimizers
-        # 0, or the step a checkpoint goes on from (its weights, optimiser states, data position)
         start = run.resume(model, optimizers)
         # a device tensor changed in place: the compiled graph sees a new value, not a new constant
         window_blocks = torch.tensor(0, dtype=torch.int32, device=run.device)
@@ -755,7 +753,6 @@ def train(args, checkpoint=None):
             window_blocks.fill_(window_blocks_at(step, args))
 
             # --------------- VALIDATION AND CHECKPOINTS (not train time) ---------------
-            # the same on every rank, stop signals included
             due = run.due(step)
             if due.checkpoint or due.validation:
                 run.clock.pause()

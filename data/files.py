@@ -30,7 +30,7 @@ class FileProblem(Exception):
     "unreadable", "folder", "not a folder", or, for what only poses as a file, "pipe", "socket",
     "device"."""
 
-    SPECIAL = ("pipe", "socket", "device")
+    POSES_AS_A_FILE = ("pipe", "socket", "device")
 
     def __init__(self, path, kind, why):
         super().__init__(f"{path}: {why}")
@@ -39,7 +39,7 @@ class FileProblem(Exception):
 
     @property
     def special(self):
-        return self.kind in self.SPECIAL
+        return self.kind in self.POSES_AS_A_FILE
 
 
 def checked(path, folder=False):
