@@ -555,7 +555,8 @@ def test_smoke_run_logs(smoke_logs, capsys):
 
 
 def test_committed_gpu_logs_are_read():
-    """Every log under records/ parses; the one-H100 A/B pair reads as its README's figures say."""
+    """Every log under records/ parses; the one-H100 A/B pair and the one-H200 pair read as their
+    READMEs' figures say."""
     logs = sorted((REPO / "records").glob("*/*.txt"))
     assert logs, "records/ holds at least the one-H100 runs"
     runs = {log.name: compare.parse_log(log) for log in logs}
@@ -575,6 +576,13 @@ def test_committed_gpu_logs_are_read():
     )
     assert (plain.startup_s, fused.startup_s) == (64.4, 59.6)
     assert plain.devices == "1 x NVIDIA H100 80GB HBM3" and plain.torch_version == "2.11.0+cu130"
+    # the one-H200 pair, e718eb5 against 695aa87, as its README's table gives them
+    new, old = runs["e718eb5-12steps-hellaswag.txt"], runs["695aa87-12steps.txt"]
+    assert (new.planned, new.final_loss, new.step_avg_ms, new.peak_mib, new.startup_s) == (
+        12, 5.8654, 955.08, 32675, 67.8)
+    assert (old.planned, old.final_loss, old.step_avg_ms, old.peak_mib, old.startup_s) == (
+        12, 5.8652, 1033.15, 32354, 80.5)
+    assert new.devices == old.devices == "1 x NVIDIA H200"
 
 
 # ------------------------------------------------------------------ two groups: B against A
