@@ -825,6 +825,7 @@ import tempfile
 import threading
 import traceback
 import uuid
+import warnings
 import zipfile
 from dataclasses import asdict
 from dataclasses import fields
@@ -1114,6 +1115,10 @@ def setup_device():
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 def start_process_group(device):
+    # torch 2.13 deprecates two calls whose replacements 2.11 lacks: DDP's broadcast_buffers (off
+    # for the rotary tables, equal on every rank) and Muon's all_gather_into_tensor
+    for call in ("broadcast_buffers", "torch.distributed.all_gather_into_tensor"):
+        warnings.filterwarnings("ignore", f"`{call}` is deprecated", FutureWarning)
     if device.type == "cuda":
         dist.init_process_group(backend="nccl", device_id=device, timeout=COLLECTIVE_TIMEOUT)
     else:

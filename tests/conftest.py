@@ -88,6 +88,7 @@ class SmokeRuns:
         env = helpers.launch_env(OMP_NUM_THREADS="1")
         result = helpers.run_process(launch, 300, cwd=helpers.REPO, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
+        (folder / "stderr.txt").write_text(result.stderr)
 
     def full(self):
         """The whole smoke preset's training, here, with no data named (its built-in synthetic
