@@ -1573,7 +1573,9 @@ def compile_cache_stamp(args, world_size, device):
     process's share), the micro-batch, and the options that shape graphs (option()), in order."""
     triton_version = next((d.version for d in importlib.metadata.distributions(name="triton")),
                           None)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    # a CPU's kernels are built for its vector instructions: an AVX-512 cache under AVX2 gave NaN
+    gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
+           else f"cpu {torch.backends.cpu.get_cpu_capability()}")
     processes = "1 process" if world_size == 1 else f"{world_size} processes"
     graph_options = [name for name, facts in option_facts().items() if facts["graph"]]
     options = ", ".join(f"--{name} {getattr(args, name)}" for name in graph_options)

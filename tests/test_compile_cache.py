@@ -2,6 +2,7 @@
 file it did not write is never replaced."""
 import dataclasses
 import os
+import platform
 import sys
 
 import pytest
@@ -64,6 +65,42 @@ def test_foreign_or_corrupt_cache_is_reported_and_ignored(tmp_path):
     assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected: corrupt")
     path.write_bytes(bytes(range(256)) * 8)
     assert train_gpt.load_compile_cache(str(path), STAMP).startswith("rejected")
+
+
+# a smoke run's stamp and a cache file of it read; with a second argument, a graph of one library
+# call compiled and the file written: with this process's CPU capability
+ACROSS_CPUS = """import sys
+import torch
+import train_gpt
+stamp = train_gpt.compile_cache_stamp(train_gpt.parse_args(["--preset", "smoke"]), 1,
+                                      torch.device("cpu"))
+print(train_gpt.load_compile_cache(sys.argv[1], stamp))
+if sys.argv[2:]:
+    torch.compile(lambda x: x @ x.T)(torch.randn(8, 8))
+    print(train_gpt.save_compile_cache(sys.argv[1], stamp))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or
+                    torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="no AVX2")
+def test_a_cache_made_for_other_vector_instructions_is_rejected_not_run(tmp_path):
+    """Inductor builds a CPU's kernels for its vector instructions (torch's CPU capability): seen
+    here, an AVX-512 cache loaded under AVX2 computed NaN, and an AVX2 one under none failed to
+    build. Such a cache is rejected, naming both."""
+    cache = str(tmp_path / "compile.cache")
+
+    def run_with(capability, *save):
+        env = launch_env(ATEN_CPU_CAPABILITY=capability, OMP_NUM_THREADS="1",
+                         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / capability))
+        result = run_process([sys.executable, "-c", with_trainer(ACROSS_CPUS), cache, *save], 120,
+                             env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout.splitlines()
+    loaded, saved = run_with("avx2", "save")
+    assert loaded.startswith("not found") and saved.startswith("saved")
+    [loaded] = run_with("default")
+    assert loaded.startswith("rejected: made for cpu AVX2; this run is cpu DEFAULT; ")
 
 
 @pytest.mark.parametrize("contents", [b"my notes\n", b"", b"PK\x03\x04 a checkpoint, say",
