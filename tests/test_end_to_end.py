@@ -108,7 +108,7 @@ def test_two_processes_give_the_same_validation_losses_as_one(smoke_runs):
 @pytest.mark.slow
 def test_two_processes_print_no_deprecation_of_the_calls_torch_2_11_has_no_replacement_for(smoke_runs):
     """torch 2.13 deprecates DDP's broadcast_buffers and dist.all_gather_into_tensor, whose
-    replacements 2.11 lacks: their FutureWarnings, twice per rank, would only alarm a user."""
+    replacements 2.11 lacks: their FutureWarnings, on every rank, would only alarm a user."""
     stderr = (smoke_runs.short(2).parents[1] / "stderr.txt").read_text()
     assert "FutureWarning" not in stderr, stderr[-3000:]
 
