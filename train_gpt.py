@@ -1376,7 +1376,10 @@ def make_writable_folder(folder, option):
         os.makedirs(folder, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        raise UserError(f"{option}: cannot make or write to {folder} ({e.strerror}): "
+        # makedirs says "File exists" of a file where the folder would be
+        in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
+        reason = "a file stands in its path" if in_the_way else e.strerror
+        raise UserError(f"{option}: cannot make or write to {folder} ({reason}): "
                         "pick another") from None
 
 def temp_path(path):

@@ -184,7 +184,10 @@ def locked(folder):
         folder.mkdir(parents=True, exist_ok=True)
         descriptor = os.open(folder, os.O_RDONLY)
     except OSError as e:
-        raise UnusableFolder(f"cannot use the folder {folder} ({e.strerror}): pick another one")
+        # mkdir says "File exists" of a file where the folder would be
+        in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
+        reason = "a file stands in its path" if in_the_way else e.strerror
+        raise UnusableFolder(f"cannot use the folder {folder} ({reason}): pick another one")
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         holder = owner(folder)

@@ -34,6 +34,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -259,6 +260,15 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             return f"--out {args.out} cannot be listed ({e.strerror or e}); give a new --out folder"
         if used:
             return f"{args.out} is not empty; give a new --out folder"
+    # made now: a place that cannot hold the runs' logs fails before the first run
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out).close()
+    except OSError as e:
+        reason = e.strerror or e
+        if isinstance(e, (FileExistsError, NotADirectoryError)):
+            reason = "a file stands in its path"
+        return f"--out {args.out} cannot be made or written to ({reason}); give another --out folder"
     return None
 
 

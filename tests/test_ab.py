@@ -243,6 +243,19 @@ def test_an_out_that_is_not_a_folder_is_one_line(fake, tmp_path, capsys):
     assert taken.read_text() == "mine"
 
 
+@pytest.mark.parametrize("place", ["{file}/runs", "/proc/no_such_folder/runs"])
+def test_an_out_that_cannot_be_made_is_one_line_before_any_run(fake, tmp_path, capsys, place):
+    if place.startswith("/proc") and not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux's")
+    (tmp_path / "notes.txt").write_text("mine")
+    out = place.format(file=tmp_path / "notes.txt")
+    assert ab.main([str(fake), str(fake), "--nproc", "1", "--out", out]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: --out {out} cannot be made or written to (")
+    assert captured.err.count("\n") == 1 and captured.out == ""
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 # ------------------------------------------------------------------- whose flags, and stops
 
 

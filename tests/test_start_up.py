@@ -178,6 +178,7 @@ def test_a_place_that_cannot_be_written_is_one_line_before_the_model_is_built(
     if place.startswith("/proc") and not sys.platform.startswith("linux"):
         pytest.skip("/proc is Linux's")
     (tmp_path / "a_file").write_text("")
+    file_in_the_way = "{file}" in place
     place = place.format(file=tmp_path / "a_file")
     monkeypatch.setattr(train_gpt, "build_model", lambda *args: pytest.fail("the model was built"))
     shards = []
@@ -191,6 +192,8 @@ def test_a_place_that_cannot_be_written_is_one_line_before_the_model_is_built(
         capsys, *TINY_RUN, *shards, *compile_on, "--log_dir", str(tmp_path / "logs"), option, place
     )
     assert err.startswith(f"error: {option}: cannot make or write to ") and err.count("\n") == 1
+    if file_in_the_way:
+        assert "(a file stands in its path)" in err
 
 
 def test_a_gpu_this_torch_cannot_use_is_one_line_with_the_fix_not_a_cpu_run(

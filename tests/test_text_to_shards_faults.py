@@ -395,6 +395,16 @@ def test_a_pipe_as_input_is_refused_in_one_line_without_waiting_on_it(tmp_path, 
     assert "\n" not in err
 
 
+@pytest.mark.parametrize("out", ["a_file", "a_file/shards"])
+def test_an_output_folder_where_a_file_stands_is_one_line(tmp_path, inputs, capsys, out):
+    (tmp_path / "a_file").write_text("kept")
+    assert make(inputs, tmp_path / out) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: cannot use the folder {tmp_path / out} (a file stands in its path): "
+                   "pick another one")
+    assert (tmp_path / "a_file").read_text() == "kept"
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
 def test_a_device_as_input_is_refused_in_one_line(tmp_path, capsys):
     folder = tmp_path / "in"
