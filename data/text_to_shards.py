@@ -41,6 +41,7 @@ How it works, and why:
 """
 
 import argparse
+import filecmp
 import functools
 import gzip
 import itertools
@@ -126,6 +127,8 @@ def input_problem(problem):
 def local_inputs(paths, out):
     """Input for each path (a folder: the files under it), each a readable, non-empty file."""
     inputs = []
+    # the files read so far, by size: a text read twice could put val documents in training too
+    by_size = {}
     try:
         for given in paths:
             found = files.files_under(given, leave_out=out) if os.path.isdir(given) else [given]
@@ -136,6 +139,14 @@ def local_inputs(paths, out):
                 files.open_checked(file).close()
                 if info.st_size == 0:
                     raise InputError(f"{file}: empty file: no documents in it; leave it out")
+                for earlier in by_size.setdefault(info.st_size, []):
+                    if filecmp.cmp(earlier, file, shallow=False):
+                        twice = (f"is read twice (first as {earlier}: given again, or linked to)"
+                                 if os.path.samefile(earlier, file)
+                                 else f"holds the same bytes as {earlier}")
+                        raise InputError(f"{file} {twice}: its documents could be in both the val "
+                                         "and the train shards; give each text once")
+                by_size[info.st_size].append(file)
                 stamp = [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
                 inputs.append(Input(str(file), str(file.resolve()), stamp, file))
     except files.FileProblem as e:

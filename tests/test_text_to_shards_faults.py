@@ -395,6 +395,28 @@ def test_a_pipe_as_input_is_refused_in_one_line_without_waiting_on_it(tmp_path, 
     assert "\n" not in err
 
 
+@pytest.mark.parametrize("again", ["the file in its folder", "a link to it", "a copy of it"])
+def test_a_text_given_twice_is_refused_before_its_documents_reach_val_and_train(tmp_path, capsys,
+                                                                                again):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    first = write_corpus(folder / "a.jsonl", DOCUMENTS, seed=1)
+    write_corpus(folder / "b.jsonl", DOCUMENTS, seed=2)
+    second = {"the file in its folder": first, "a link to it": tmp_path / "link.jsonl",
+              "a copy of it": tmp_path / "copy.jsonl"}[again]
+    if again == "a link to it":
+        second.symlink_to(first)
+    if again == "a copy of it":
+        second.write_bytes(first.read_bytes())
+    assert make([folder, second], tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip()
+    how = f"holds the same bytes as {first}" if again == "a copy of it" else (
+        f"is read twice (first as {first}: given again, or linked to)")
+    assert err == (f"error: {second} {how}: its documents could be in both the val and the train "
+                   "shards; give each text once")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("out", ["a_file", "a_file/shards"])
 def test_an_output_folder_where_a_file_stands_is_one_line(tmp_path, inputs, capsys, out):
     (tmp_path / "a_file").write_text("kept")
