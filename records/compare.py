@@ -28,17 +28,11 @@ from pathlib import Path
 # records/ is not a package: the tools' shared module is imported from beside this file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runlog  # noqa: E402
+from runlog import NOT_CONFIGURATION  # noqa: E402
 from runlog import Run  # noqa: E402
 from runlog import parse_log  # noqa: E402
 
 TARGET = 3.28
-# Options that change how a run runs or where it writes, not what it trains or how it is
-# measured: runs that differ only in these are one configuration.
-NOT_CONFIGURATION = frozenset(
-    "log_dir seed resume save_checkpoint checkpoint_every hellaswag hellaswag_data tokenizer "
-    "compile compile_tuning compile_cache regional_compile fused_head_loss fused_qkv "
-    "head_chunk_rows max_device_batch_size profile".split()
-)
 # What the val loss is measured on: A and B must share it for their losses to compare
 VAL_DATA = ("val_files", "val_tokens")
 # Globs of shards, compared by their file names (the folder may differ from machine to machine)
@@ -371,8 +365,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      "against group A.")
     parser.add_argument("logs", nargs="+", metavar="LOG_OR_DIR", help="log files, directories "
                         "holding *.txt logs, or quoted globs (group A with --vs)")
-    parser.add_argument("--vs", nargs="+", metavar="LOG_OR_DIR", help="group B: test whether its "
-                        "final val loss is lower than that of the logs before")
+    parser.add_argument("--vs", nargs="+", action="extend", metavar="LOG_OR_DIR", help="group B: "
+                        "test whether its final val loss is lower than that of the logs before")
     parser.add_argument("--target", type=float, default=TARGET,
                         help=f"val loss a record must beat (default {TARGET})")
     parser.add_argument("--plot", metavar="FILE.png", type=Path,

@@ -54,6 +54,13 @@ RESUMED_LINE = re.compile(r"^resumed from (.*) at step (\d+)\b")
 STOP_LINE = re.compile(r"^(?:stopped by \S+|error: .*: stopped) after step \d+")
 # In the trainer's source at the top of the log: how many first steps it leaves untimed
 UNTIMED_LINE = re.compile(r"^UNTIMED_STEPS = (\d+)\s*$")
+# Options that change how a run runs or where it writes, not what it trains or how it is
+# measured: runs that differ only in these are one configuration.
+NOT_CONFIGURATION = frozenset(
+    "log_dir seed resume save_checkpoint checkpoint_every hellaswag hellaswag_data tokenizer "
+    "compile compile_tuning compile_cache regional_compile fused_head_loss fused_qkv "
+    "head_chunk_rows max_device_batch_size profile".split()
+)
 RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -203,7 +210,8 @@ class Run:
         with ids of their own, they have one configuration and the step lines of one are all in
         the other's (a renamed copy; a resumed run that only validated its last checkpoint)."""
         if self.run_ids & other.run_ids:
-            return True
+            # two resumed from one checkpoint with another configuration (--muon_lr): two runs
+            return self.configuration() == other.configuration()
         new_runs = self.resumed_from is None and other.resumed_from is None
         if new_runs and self.run_ids and other.run_ids:
             return False
@@ -214,6 +222,10 @@ class Run:
     def made_as(self) -> dict[str, str]:
         """Its options but where it wrote and what it resumed, which differ from run to run."""
         return {k: v for k, v in self.options.items() if k not in ("log_dir", "resume")}
+
+    def configuration(self) -> dict[str, str]:
+        """Its options of what it trains and how it is measured."""
+        return {k: v for k, v in self.options.items() if k not in NOT_CONFIGURATION}
 
 
 def count_once(runs: list[Run]) -> list[tuple[Run, Run, str]]:

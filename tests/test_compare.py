@@ -1018,6 +1018,31 @@ def test_a_resumed_run_that_only_validates_counts_once(tmp_path, capsys):
     assert out.strip().splitlines()[-1].startswith("n=3 mean=3.2792 ")
 
 
+def test_branches_resumed_from_one_checkpoint_with_other_settings_are_two_runs(tmp_path, capsys):
+    # both go on from the checkpoint of run 0 at step 40, one with another --muon_lr
+    base = group_logs(tmp_path / "a", [3.2790], options={"muon_lr": "0.05"})[0]
+    branch = make_log(tmp_path / "b" / f"{run_id(1)}.txt", curve(3.2750), 40,
+                      options={"muon_lr": "0.02"})
+    checkpoint = tmp_path / "a" / base.stem / "state_step000040.pt"
+    text = branch.read_text().replace("step:0/", f"resumed from {checkpoint} at step 40\nstep:0/", 1)
+    branch.write_text(text)
+    code, out, err = run_main(capsys, base, "--vs", branch)
+    assert code == 0 and "same run" not in err
+    assert "B - A = -0.00400" in out and "muon_lr 0.05 / 0.02" in out
+    # the same settings: one run, counted once
+    again = resumed_copy(base, tmp_path / "c" / f"{run_id(2)}.txt", checkpoint)
+    code, out, err = run_main(capsys, base, again)
+    assert code == 0 and "the same run as" in err
+
+
+def test_vs_given_twice_puts_both_in_group_b(tmp_path, capsys):
+    a = group_logs(tmp_path / "a", [3.2790, 3.2801])
+    b = group_logs(tmp_path / "b", [3.2781, 3.2779])
+    code, out, _ = run_main(capsys, *a, "--vs", b[0], "--vs", b[1])
+    assert code == 0
+    assert str(b[0]) in out and str(b[1]) in out and "B2" in out
+
+
 def test_the_same_runs_as_a_and_b_refuse_the_test(tmp_path, capsys):
     logs = group_logs(tmp_path / "a", [3.2790, 3.2801, 3.2785])
     shutil.copytree(tmp_path / "a", tmp_path / "b")
