@@ -147,6 +147,11 @@ def fetch(repo: str, dest: Path, names: list[str], args) -> tuple[list[str], lis
         return [], errors + [f"not enough disk space in {dest}: {len(todo)} shards need "
                              f"{human(need)}, {human(free)} is free; free some space or ask for "
                              "fewer shards"]
+    staging = dest / STAGING
+    # left there by something else: not ours to delete, and the client cannot download into it
+    if todo and (staging.is_symlink() or (staging.exists() and not staging.is_dir())):
+        return [], errors + [f"{staging}: not a folder, where the downloads are staged: move it "
+                             "away, then rerun"]
     kept = f"partial files were removed, the shards already in {dest} are kept"
     with ThreadPoolExecutor(args.workers) as pool:
         jobs = {pool.submit(fetch_one, repo, info.sha, n, listing[n].lfs.sha256, dest): n
@@ -221,14 +226,28 @@ def fetch_and_report(repo: str, dest: Path, names: list[str], args, start: float
     return 1 if errors else 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a bad command line told in one line."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}; see --help\n")
+
+
+def folder(text: str) -> Path:
+    """--dir's value; an empty one would be the current folder, which nobody asked for."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give a folder's path")
+    return Path(text)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description="Download FineWeb GPT-2 token shards: val + the first N train shards.")
     parser.add_argument("n", nargs="?", type=int,
                         help="number of train shards (default: all of them)")
     parser.add_argument("--dataset", choices=DATASETS, default="fineweb10B",
                         help="default: %(default)s")
-    parser.add_argument("--dir", type=Path,
+    parser.add_argument("--dir", type=folder,
                         help="target folder (default: data/<dataset>/ beside this script)")
     parser.add_argument("--workers", type=int, default=4,
                         help="downloads at once (default: %(default)s)")

@@ -16,7 +16,8 @@ so this server never sends either: downloads stay plain HTTP.
 The one API call the fetch script makes besides (checked against 2.4.0):
 HfApi.dataset_info(repo, files_metadata=True): GET {endpoint}/api/datasets/{repo}?blobs=True,
 answered with JSON {"id", "sha", "siblings": [{"rfilename", "size", "blobId", "lfs": {"sha256",
-"size", "pointerSize"}}]}: the commit, and the size and published sha256 of every LFS file.
+"size", "pointerSize"}}]}: the commit, and the size and published sha256 of every LFS file (a file
+added with lfs=False is kept in git: no "lfs", and its git blob id as "blobId" and ETag).
 
 Two listeners share one state: the hub (serves /resolve/) and a "CDN" on another port, so a
 302 from one to the other crosses origins the way huggingface.co -> CDN does.
@@ -53,6 +54,11 @@ COMMIT = "4b1f0c2d9e8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c"
 def shard_bytes(tokens: np.ndarray) -> bytes:
     """A token shard: its header, then uint16 tokens."""
     return shards.header(len(tokens)) + np.asarray(tokens, dtype="<u2").tobytes()
+
+
+def git_blob_id(data: bytes) -> str:
+    """What git (and the hub, for a file not in LFS) names `data` by."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def random_shard(n_tokens: int, seed: int) -> bytes:
@@ -136,6 +142,8 @@ class FakeHub:
         # set once a "stall" file has sent its bytes
         self.stalled = threading.Event()
         self._etags: dict[str, str] = {}
+        # names of files kept in git itself, not in LFS
+        self._in_git: dict[str, bool] = {}
         self._stopped = False
         self.hub = _Server(("127.0.0.1", 0), self, "hub")
         self.cdn = _Server(("127.0.0.1", 0), self, "cdn")
@@ -156,7 +164,10 @@ class FakeHub:
         mode: str = "ok",
         cut: int = 0,
         then: str = "fail",
+        lfs: bool = True,
     ) -> None:
+        """Serve `content` as `name`: an LFS file (the hub publishes its sha256), or with `lfs`
+        False a file kept in git itself (the hub publishes its git blob id)."""
         if isinstance(content, Path):
             entry = Entry(content, None, mode, cut, then)
         else:
@@ -164,7 +175,7 @@ class FakeHub:
             if mode == "corrupt":
                 content = (shards.MAGIC + 1).to_bytes(4, "little") + content[4:]
             entry = Entry(None, bytes(content), mode, cut, then)
-        published = entry.sha256()
+        published = entry.sha256() if lfs else git_blob_id(entry.read(0, entry.size))
         # change two token bytes after the hash was published
         if mode == "tampered":
             flipped = bytes(b ^ 0xFF for b in content[1030:1032])
@@ -172,6 +183,7 @@ class FakeHub:
         with self._lock:
             self.files[name] = entry
             self._etags[name] = published
+            self._in_git[name] = not lfs
 
     def served(self, name: str) -> bytes:
         """The exact bytes a client gets for `name` (after any corruption)."""
@@ -214,7 +226,7 @@ RESOLVE = re.compile(
     r"^/datasets/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<name>[^?]+)$"
 )
 API = re.compile(r"^/api/datasets/(?P<repo>[^/]+/[^/]+)$")
-CDN = re.compile(r"^/cdn/(?P<name>[^/?]+)$")
+CDN = re.compile(r"^/cdn/(?P<name>[^?]+)$")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -269,6 +281,8 @@ class _Handler(BaseHTTPRequestHandler):
         if m["repo"] != fake.repo:
             return self._error(req, 404, "RepoNotFound", "Repository not found")
         siblings = [
+            {"rfilename": n, "size": e.size, "blobId": fake._etags[n]}
+            if fake._in_git[n] else
             {"rfilename": n, "size": e.size, "blobId": "0" * 40,
              "lfs": {"sha256": fake._etags[n], "size": e.size, "pointerSize": 134}}
             for n, e in files.items()

@@ -198,6 +198,14 @@ def locked(folder):
     except BlockingIOError:
         os.close(descriptor)
         raise UnusableFolder(busy(folder)) from None
+    except OSError as e:
+        # writing the lock's record: a read-only file system, say
+        os.close(descriptor)
+        if os.path.isdir(folder / OWNER):
+            raise UnusableFolder(f"{folder / OWNER}: a folder, where the lock's record goes: move it "
+                                 "away, then rerun") from None
+        raise UnusableFolder(f"cannot write to the folder {folder} ({e.strerror}): make it "
+                             "writable, or pick another one") from None
     except BaseException:
         os.close(descriptor)
         raise

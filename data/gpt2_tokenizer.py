@@ -13,6 +13,8 @@ import files
 EOT = 50256
 # mergeable ranks: 256 bytes and 50,000 merges
 GPT2_RANKS = 50256
+# fingerprint() of GPT-2's encoding: every token's bytes and id
+GPT2_FINGERPRINT = "gpt2 7fc8d184b157a4e0"
 TOKENIZER_HINT = "pass --tokenizer FILE, a tiktoken ranks file of GPT-2's BPE (gpt2.tiktoken)"
 
 
@@ -52,8 +54,15 @@ def gpt2_encoding(tokenizer_file=None):
                              f"{GPT2_RANKS:,} (0 to 50255): the shards' ids would mean other text")
     # the pre-tokenising pattern of tiktoken's own "gpt2" encoding (which shares r50k_base's)
     pattern = tiktoken_ext.openai_public.r50k_pat_str
-    return tiktoken.Encoding(name="gpt2", pat_str=pattern, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": EOT})
+    encoding = tiktoken.Encoding(name="gpt2", pat_str=pattern, mergeable_ranks=ranks,
+                                 special_tokens={"<|endoftext|>": EOT})
+    # the right count of ranks, but some token's id another (two swapped, say)
+    found = fingerprint(encoding)
+    if found != GPT2_FINGERPRINT:
+        raise TokenizerError(f"--tokenizer {tokenizer_file}: its ranks are not GPT-2's (fingerprint "
+                             f"{found}, not {GPT2_FINGERPRINT}): the shards' ids would mean other "
+                             "text; pass GPT-2's own gpt2.tiktoken")
+    return encoding
 
 
 def fingerprint(encoding):

@@ -1,12 +1,15 @@
 """What the data tools need of the Hugging Face hub, through huggingface_hub (imported only when
 used): one line for a failure inside the client, and a dataset's files, picked by a config of its
-card or by path patterns, each downloaded when it is needed and the next one meanwhile.
+card or by path patterns, each downloaded when it is needed and the next one meanwhile, and used
+only once its bytes are those the hub publishes the hash of.
 
 The client wraps a failure in its own exceptions (an HTTP error around a connection error, say):
 the first cause in the chain that means something to the user is the one to tell.
 """
 
 import errno
+import hashlib
+import os
 import re
 import shutil
 import threading
@@ -153,7 +156,8 @@ def dataset_files(repo, config, split, patterns, revision):
     """(path in the repository, [size, sha256 or blob id], fetch) for each of the dataset's files
     that `patterns` (else `config`'s) select, in pattern, then path order. fetch() downloads the
     file into the client's cache (one at a time, in order, in daemon threads: Ctrl-C need not wait)
-    and starts the next one's download, and returns the local path."""
+    and starts the next one's download, and returns the local path once its bytes match the
+    published hash (checked_download)."""
     from huggingface_hub import HfApi
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import disable_progress_bars
@@ -176,6 +180,10 @@ def dataset_files(repo, config, split, patterns, revision):
         if not matched:
             raise HubError(f"{repo}: no file matches {pattern!r} (at commit {info.sha[:12]})")
         selected += [name for name in matched if name not in selected]
+    stamps = {}
+    for name in selected:
+        lfs = getattr(listing[name], "lfs", None)
+        stamps[name] = [listing[name].size, lfs.sha256 if lfs else listing[name].blob_id]
     downloads = {}
     results = {}
 
@@ -183,7 +191,8 @@ def dataset_files(repo, config, split, patterns, revision):
         if i - 1 in downloads:
             downloads[i - 1].join()
         try:
-            results[i] = hf_hub_download(repo, selected[i], repo_type="dataset", revision=info.sha)
+            path = hf_hub_download(repo, selected[i], repo_type="dataset", revision=info.sha)
+            results[i] = checked_download(repo, selected[i], path, stamps[selected[i]][1])
         except Exception as e:  # noqa: BLE001 - told in one line by fetch
             results[i] = e
 
@@ -197,14 +206,46 @@ def dataset_files(repo, config, split, patterns, revision):
             start(i)
             start(i + 1)
             downloads[i].join()
+            if isinstance(results[i], HubError):
+                raise results[i]
             if isinstance(results[i], Exception):
                 raise HubError(f"{repo}:{selected[i]}: {one_line(results[i], repo)}")
             return Path(results[i])
         return fetch
 
-    found = []
-    for i, name in enumerate(selected):
-        lfs = getattr(listing[name], "lfs", None)
-        stamp = [listing[name].size, lfs.sha256 if lfs else listing[name].blob_id]
-        found.append((name, stamp, fetcher(i)))
-    return found
+    return [(name, stamps[name], fetcher(i)) for i, name in enumerate(selected)]
+
+
+def content_hash(path, published):
+    """The hash of the file at `path` the hub would publish: its sha256 where `published` is one
+    (an LFS file), else its git blob id."""
+    if len(published) == 64:
+        digest = hashlib.sha256()
+    else:
+        digest = hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checked_download(repo, name, path, published):
+    """`path`, the client's download of `name`, once its bytes are those the hub publishes the hash
+    of; else a HubError, the download deleted from the client's cache (so a rerun fetches it
+    again)."""
+    from huggingface_hub import constants
+
+    # the hub publishes one for every file; a mirror might not: nothing to compare with
+    if not published:
+        return path
+    got = content_hash(path, published)
+    if got == published:
+        return path
+    kind = "sha256" if len(published) == 64 else "git blob id"
+    blob = Path(path).resolve()
+    Path(path).unlink(missing_ok=True)
+    blob.unlink(missing_ok=True)
+    raise HubError(f"{repo}:{name}: the bytes downloaded from {constants.ENDPOINT} have {kind} "
+                   f"{got[:16]}..., not the published {published[:16]}...; they were deleted: "
+                   "rerun to download the file again (if this persists, set HF_ENDPOINT to "
+                   "another mirror)")

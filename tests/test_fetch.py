@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import glob
 import hashlib
 import importlib
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import cached_fineweb10B
 import fetch_hub
+import files
 import numpy as np
 import pytest
 from helpers import hub_environment
@@ -398,6 +400,42 @@ def test_bad_command_line(hub, tmp_path, args):
     }
     assert expected[args[0]] in result.stderr
     assert hub.requests() == []
+
+
+def test_an_empty_dir_is_refused_in_one_line(hub, tmp_path, capsys):
+    # not the current folder, unasked
+    with pytest.raises(SystemExit) as stop:
+        cached_fineweb10B.main(["2", "--dir", ""])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "error: argument --dir: empty: give a folder's path; see --help\n"
+    assert hub.requests() == []
+
+
+@pytest.mark.parametrize("what", ["read-only", "record-is-a-folder", "staging-is-a-file"])
+def test_a_folder_the_run_cannot_write_in_is_one_line(hub, tmp_path, monkeypatch, what):
+    dest = tmp_path / "data"
+    assert fetch(hub, tmp_path, "1").returncode == 0
+    if what == "read-only":
+        # as on a read-only file system (root writes past permission bits)
+        def read_only(path, data):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+        monkeypatch.setattr(files, "write_atomically", read_only)
+        line = f"error: cannot write to the folder {dest} (Read-only file system): make it writable"
+    elif what == "record-is-a-folder":
+        (dest / files.OWNER).mkdir()
+        line = f"error: {dest / files.OWNER}: a folder, where the lock's record goes: move it away"
+    else:
+        (dest / cached_fineweb10B.STAGING).write_text("kept")
+        line = f"error: {dest / cached_fineweb10B.STAGING}: not a folder, where the downloads are"
+    result = fetch(hub, tmp_path, "2")
+    assert result.returncode == 1
+    errors = [text for text in result.stderr.splitlines() if text.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(line), result.stderr
+    assert "Traceback" not in result.stderr
+    assert (dest / train(1)).read_bytes() == hub.served(train(1))
+    if what == "staging-is-a-file":
+        assert (dest / cached_fineweb10B.STAGING).read_text() == "kept"
 
 
 def test_dropped_connection_leaves_no_shard(hub, tmp_path, no_retry_pause):

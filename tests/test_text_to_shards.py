@@ -406,6 +406,20 @@ configs:
 # A stand-in dataset
 """
 
+
+def stand_in_environment(tmp_path, hub):
+    """The environment of a run against the stand-in `hub`: no user token, cache or endpoint from
+    the caller's environment; plain HTTP, so no certificate authorities to load (SSL_CERT_DIR empty,
+    no SSL_CERT_FILE)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_", "HUGGING")) and k != "SSL_CERT_FILE"}
+    authorities = tmp_path / "no_certificate_authorities"
+    authorities.mkdir(exist_ok=True)
+    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"),
+               HF_HUB_DOWNLOAD_TIMEOUT="5", SSL_CERT_DIR=str(authorities))
+    return env
+
+
 def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
     fetch_hub = pytest.importorskip("fetch_hub")
     hub = fetch_hub.FakeHub(repo="someone/corpus", redirect=False)
@@ -417,18 +431,10 @@ def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
         hub.add(f"sample/10BT/{i:03d}_00000.jsonl.gz", part)
     # another config's file
     hub.add("data/CC-MAIN-2024/000.jsonl.gz", gzip.compress(json_lines(documents).encode()))
-    # no user token, cache or endpoint from the caller's environment; plain HTTP, so no
-    # certificate authorities to load (SSL_CERT_DIR empty, no SSL_CERT_FILE)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HF_", "HUGGING")) and k != "SSL_CERT_FILE"}
-    authorities = tmp_path / "no_certificate_authorities"
-    authorities.mkdir()
-    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"),
-               HF_HUB_DOWNLOAD_TIMEOUT="5", SSL_CERT_DIR=str(authorities))
     argv = ["--hub", "someone/corpus", "--hub_config", "sample-10BT", "--name", "edu", "--out",
             str(tmp_path / "out"), "--val_tokens", "100", "--workers", "1"]
     try:
-        with hub_environment(env):
+        with hub_environment(stand_in_environment(tmp_path, hub)):
             status = text_to_shards.main(argv, encoding=byte_encoding())
     finally:
         hub.stop()
@@ -437,6 +443,37 @@ def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
     assert byte_documents(tmp_path / "out", "edu") == in_file_order
     fetched = [request.filename for request in hub.file_gets()]
     assert fetched == ["README.md"] + [f"sample/10BT/{i:03d}_00000.jsonl.gz" for i in range(3)]
+
+
+# in LFS, the hub publishes a file's sha256 (and redirects to a CDN); in git, its git blob id
+@pytest.mark.parametrize("lfs", [True, False])
+def test_hub_bytes_that_are_not_the_published_ones_are_refused_then_fetched_again(tmp_path, capsys,
+                                                                                  lfs):
+    fetch_hub = pytest.importorskip("fetch_hub")
+    stand_in = fetch_hub.FakeHub(repo="someone/corpus", redirect=lfs)
+    documents = corpus(60, seed=3)
+    parts = [json_lines(documents[:30]).encode(), json_lines(documents[30:]).encode()]
+    stand_in.add("data/a.jsonl", parts[0], lfs=lfs)
+    stand_in.add("data/b.jsonl", parts[1], lfs=lfs)
+    # other words than those the hub published the hash of, as from a bad mirror
+    assert b"speedrun" in parts[1]
+    stand_in.files["data/b.jsonl"].data = parts[1].replace(b"speedrun", b"speedrum")
+    out = tmp_path / "out"
+    argv = ["--hub", "someone/corpus", "--hub_files", "data/*.jsonl", "--name", "c", "--out",
+            str(out), "--val_tokens", "100", "--workers", "1"]
+    try:
+        with hub_environment(stand_in_environment(tmp_path, stand_in)):
+            status = text_to_shards.main(argv, encoding=byte_encoding())
+            # after the progress bar's line
+            last = capsys.readouterr().err.splitlines()[-1]
+            assert status == 1
+            assert last.startswith("error: someone/corpus:data/b.jsonl: ") and "rerun" in last
+            # the hub serves the true bytes again: the rerun fetches them, not the refused ones
+            stand_in.add("data/b.jsonl", parts[1], lfs=lfs)
+            assert text_to_shards.main(argv, encoding=byte_encoding()) == 0
+    finally:
+        stand_in.stop()
+    assert byte_documents(out, "c") == documents
 
 
 def test_a_config_or_split_the_card_lacks_is_one_line(tmp_path):

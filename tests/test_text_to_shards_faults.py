@@ -7,6 +7,7 @@ bytes, and that no process stays behind. Runs that a signal must reach, or that 
 separate processes (slow); the rest run in this process.
 
     python -m pytest tests/test_text_to_shards_faults.py -q"""
+import errno
 import itertools
 import json
 import os
@@ -425,6 +426,21 @@ def test_an_output_folder_where_a_file_stands_is_one_line(tmp_path, inputs, caps
     assert err == (f"error: cannot use the folder {tmp_path / out} (a file stands in its path): "
                    "pick another one")
     assert (tmp_path / "a_file").read_text() == "kept"
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, inputs, capsys, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+
+    # as on a read-only file system (root writes past permission bits)
+    def read_only(path, data):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(files, "write_atomically", read_only)
+    assert make(inputs, out) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: cannot write to the folder {out} (Read-only file system): make it "
+                   "writable, or pick another one")
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")

@@ -1,6 +1,7 @@
 """GPT-2's encoding built from a local ranks file, as the offline tools build it.
 
     python -m pytest tests/test_tokenizer.py -q"""
+import base64
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,34 @@ def test_missing_or_foreign_ranks_file_is_one_clear_error(tmp_path):
     garbage.write_text("this is not a ranks file\n")
     with pytest.raises(gpt2_tokenizer.TokenizerError, match="not a tiktoken ranks file"):
         gpt2_tokenizer.gpt2_encoding(garbage)
+
+
+def write_ranks(path, ranks):
+    """A tiktoken ranks file: each token's bytes in base64, then its rank."""
+    path.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n"
+                            for token, rank in ranks.items()))
+
+
+def test_a_ranks_file_of_gpt2s_size_but_another_bpe_is_refused(tmp_path):
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks.update({b"merge%d" % i: 256 + i for i in range(gpt2_tokenizer.GPT2_RANKS - 256)})
+    other = tmp_path / "other.tiktoken"
+    write_ranks(other, ranks)
+    with pytest.raises(gpt2_tokenizer.TokenizerError, match="its ranks are not GPT-2's"):
+        gpt2_tokenizer.gpt2_encoding(other)
+
+
+@needs_ranks
+def test_gpt2s_ranks_with_two_ids_swapped_are_refused(tmp_path):
+    import tiktoken.load
+
+    ranks = tiktoken.load.load_tiktoken_bpe(str(RANKS))
+    ranks[b" the"], ranks[b" a"] = ranks[b" a"], ranks[b" the"]
+    swapped = tmp_path / "swapped.tiktoken"
+    write_ranks(swapped, ranks)
+    with pytest.raises(gpt2_tokenizer.TokenizerError, match="its ranks are not GPT-2's"):
+        gpt2_tokenizer.gpt2_encoding(swapped)
+    assert gpt2_tokenizer.fingerprint(gpt2_tokenizer.gpt2_encoding(RANKS)) == "gpt2 7fc8d184b157a4e0"
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
