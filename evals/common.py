@@ -8,15 +8,16 @@ runs, unless --trust_checkpoint_code. A checkpoint is read as tensors and plain 
 (weights_only=True), so unpickling it runs nothing. The trainer's --hellaswag hands over its own
 model."""
 import argparse
+import ast
 import contextlib
 import difflib
 import hashlib
 import importlib.util
+import io
 import json
 import linecache
 import os
 import pickle
-import re
 import signal
 import stat
 import sys
@@ -24,6 +25,7 @@ import tempfile
 import time
 import zipfile
 from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -150,17 +152,33 @@ def read_checkpoint(path):
 
 def not_data(path, error):
     """The line for a checkpoint that torch's weights-only unpickler refused (or whose pickle is
-    damaged)."""
-    refused = re.search(r"WeightsUnpickler error: ([^\n]*)", str(error))
-    if not refused:
+    damaged): every refusal, however torch words it, is this tool's, never torch's advice to load
+    it with weights_only=False."""
+    message = str(error)
+    if "Weights only load failed" not in message:
         return (f"{path}: not a checkpoint written by train_gpt.py, or a corrupt or truncated one "
                 f"(UnpicklingError: {first_line(error)})")
-    # "Unsupported global: GLOBAL builtins.exec was not an allowed global by default. ..."
-    what = refused.group(1).split(" was not ")[0].split(". ")[0]
     return (f"{path}: refused: unpickling it could run code, as it holds more than tensors and "
-            f"plain data ({what}), which no checkpoint of train_gpt.py does. Get the file again "
-            "from whoever made it; if you made it and trust it, load it with torch.load(..., "
-            "weights_only=False) and save its tensors and plain data")
+            f"plain data ({refused_object(message)}), which no checkpoint of train_gpt.py does. "
+            "Get the file again from whoever made it; if you made it and trust it, load it with "
+            "torch.load(..., weights_only=False) and save its tensors and plain data")
+
+
+def refused_object(message):
+    """What torch's weights-only unpickler refused, in its words, from its message: the first line
+    of it that is not torch's advice (which names weights_only)."""
+    # "... WeightsUnpickler error: Unsupported global: GLOBAL builtins.exec was not an allowed
+    # global by default. ..."; else the refusal is on a line of its own: "Trying to load
+    # unsupported GLOBAL posix.system whose module posix is blocked."
+    if "WeightsUnpickler error:" in message:
+        message = message.rpartition("WeightsUnpickler error:")[2]
+    else:
+        message = message.removeprefix("Weights only load failed.")
+    for line in message.splitlines():
+        line = line.strip()
+        if line and "weights_only" not in line:
+            return line.split(" was not ")[0].split(". ")[0].rstrip(".")
+    return "an object it does not load as data"
 
 
 def first_line(error):
@@ -330,12 +348,61 @@ def refusal(path, source, script):
             "--trust_checkpoint_code to run the source it carries if you trust who made it")
 
 
-def open_checkpoint(path, trainer_file=None, trust=False):
+# the names of a trainer module that common.py uses; each tool adds its own (TRAINER_NAMES)
+TRAINER_NAMES = ("UserError", "check_launch_environment", "setup_device", "start_process_group",
+                 "Hyperparameters", "check_hyperparameters", "GPT", "window_blocks_at")
+
+
+def defined_names(statements):
+    """The names that statements define at their level (in the branches of an if, a try or a
+    with too): what a module of them would have, read without running any of it."""
+    names = set()
+    for statement in statements:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(statement.name)
+        elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = getattr(statement, "targets", None) or [statement.target]
+            for target in targets:
+                names.update(node.id for node in ast.walk(target) if isinstance(node, ast.Name))
+        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in statement.names)
+        elif isinstance(statement, (ast.If, ast.Try, ast.With)):
+            branches = [statement.body, getattr(statement, "orelse", []),
+                        getattr(statement, "finalbody", [])]
+            branches += [handler.body for handler in getattr(statement, "handlers", [])]
+            for branch in branches:
+                names |= defined_names(branch)
+    return names
+
+
+def check_is_trainer(path, source, line, needs):
+    """Refuse, before any of it runs, a source that does not define at its top level every name of
+    needs (a file that only has the checkpoint's bytes, a data script, an older trainer): it is
+    parsed, not imported."""
+    origin = line.removeprefix("model: built by ")
+    try:
+        tree = ast.parse(source)
+    # a NUL byte is a ValueError
+    except (SyntaxError, ValueError) as e:
+        raise EvalError(f"{path}: its trainer ({origin}) is not Python ({type(e).__name__}: "
+                        f"{first_line(e)}); nothing of it was run: pass --trainer FILE, a copy of "
+                        "train_gpt.py") from None
+    defined = defined_names(tree.body)
+    missing = [name for name in needs if name not in defined]
+    if missing:
+        raise EvalError(f"{path}: its trainer ({origin}) is not a trainer this tool can use: it "
+                        f"does not define {', '.join(missing[:4])}; nothing of it was run: pass "
+                        "--trainer FILE, a copy of train_gpt.py that defines them")
+
+
+def open_checkpoint(path, trainer_file=None, trust=False, needs=TRAINER_NAMES):
     """(the trainer module that builds the checkpoint's model, its entries, the line that names
     that trainer's script): the module is imported from the source trainer_code gives, only once
-    that source is known to be the user's choice."""
+    that source is known to be the user's choice and to define every name of needs (the names the
+    tool uses)."""
     checkpoint = read_checkpoint(path)
     source, line = trainer_code(path, checkpoint, trainer_file, trust)
+    check_is_trainer(path, source, line, needs)
     try:
         trainer = trainer_from_source(source)
     except Exception as e:
@@ -362,21 +429,39 @@ def show_source(path):
     warn(f"{path}: the trainer source it carries (sha256 {sha256(source)}): "
          f"{against_repository_trainer(source)}")
     if speaks():
-        sys.stdout.write("".join(diff))
-        sys.stdout.flush()
+        print_out("".join(diff), end="")
     return 0
+
+
+# options about the machine that trained (its files, folders and kernels), not about the model:
+# checked there; here their defaults stand in for them
+MACHINE_OPTIONS = ("train_files", "val_files", "log_dir", "hellaswag_data", "tokenizer", "resume",
+                   "compile", "compile_cache", "fused_head_loss")
 
 
 def run_options(trainer, checkpoint, path):
     """The run's options, as its trainer's Hyperparameters (those the trainer no longer has left
-    out)."""
+    out), checked by its trainer's check_hyperparameters (but those of MACHINE_OPTIONS): a value
+    no run could have had is an error, not a traceback or a nonsense score."""
     try:
         known = {f.name for f in fields(trainer.Hyperparameters)}
         saved = checkpoint["args"]
-        return trainer.Hyperparameters(**{k: v for k, v in saved.items() if k in known})
+        options = trainer.Hyperparameters(**{k: v for k, v in saved.items() if k in known})
     except Exception as e:
         raise EvalError(f"{path}: its options do not fit its trainer's "
                         f"({type(e).__name__}: {first_line(e)})") from None
+    defaults = trainer.Hyperparameters()
+    here = {name: getattr(defaults, name) for name in MACHINE_OPTIONS if name in known}
+    try:
+        trainer.check_hyperparameters(replace(options, **here))
+    except Exception as e:
+        if isinstance(e, trainer.UserError):
+            problem = str(e)
+        else:
+            problem = f"{type(e).__name__}: {first_line(e)}"
+        raise EvalError(f"{path}: its saved options are invalid ({problem}): no run of its "
+                        "trainer wrote it so; get the checkpoint again from whoever made it") from None
+    return options
 
 
 def build_model(trainer, checkpoint, path, device, line=None):
@@ -402,9 +487,22 @@ def load_model(path, device, trainer_file=None, trust=False):
     return build_model(trainer, checkpoint, path, device)
 
 
-def trained_window_blocks(args):
-    """The attention window, in blocks, that the run ended its training with."""
-    return trainer_of(args).window_blocks_at(args.num_iterations, args)
+def checkpoint_step(checkpoint, args, path):
+    """The step the checkpoint was saved at (a run saves one at its end, or every
+    --checkpoint_every steps); num_iterations, its end, when it records none."""
+    step = checkpoint.get("step", args.num_iterations)
+    if type(step) is not int or not 0 <= step <= args.num_iterations:
+        raise EvalError(f"{path}: its step, {step!r}, is not one of its run's 0 to "
+                        f"{args.num_iterations}: not a checkpoint written by train_gpt.py")
+    return step
+
+
+def trained_window_blocks(args, step=None):
+    """The attention window, in blocks, that the model had at step (by default the end of its
+    training)."""
+    if step is None:
+        step = args.num_iterations
+    return trainer_of(args).window_blocks_at(step, args)
 
 
 def encoding(tokenizer_file=None):
@@ -456,9 +554,22 @@ def tell_launcher(line):
         Path(path).write_text(json.dumps(dict(message=message)))
 
 
-def print_out(text):
-    """text to stdout, now: a reader that has gone (`... | head`) is met here, not at exit."""
-    print(text, flush=True)
+def print_out(text, end="\n"):
+    """text to stdout, now: a reader that has gone (`... | head`) is met here, not at exit; a
+    character stdout's encoding cannot show is a replacement character; a stdout that cannot be
+    written (a full disk) is an EvalError, and what it kept is dropped."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="replace")
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        # what is still buffered goes nowhere, and exiting does not fail again on it
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise EvalError(f"cannot write to stdout ({e.strerror or e}): send the output somewhere "
+                        "it can be written") from None
 
 
 def run_main(body):

@@ -10,10 +10,10 @@ ending's tokens: `acc` counts the examples whose lowest summed loss is the label
 `acc_norm` those whose lowest mean loss per token is (completion style, as llm.c and modded-nanogpt
 score it). The candidates are packed into sequences of the model's own document-causal attention,
 which never crosses a document, so packing changes only the rounding, which is fp32's: the model is
-scored with its bf16 tables cast to fp32. Each candidate lies within the attention window the run
-ended its training with, so none is cut. Every sequence has --sequence_length tokens (the last one
-padded with lone 50256s): on a GPU the forward is compiled once for that shape, which makes
-FlexAttention a fused kernel (see loss_per_token).
+scored with its bf16 tables cast to fp32. Each candidate lies within the attention window the model
+had at the checkpoint's step (the end of its training, for the last one), so none is cut. Every
+sequence has --sequence_length tokens (the last one padded with lone 50256s): on a GPU the forward
+is compiled once for that shape, which makes FlexAttention a fused kernel (see loss_per_token).
 
 The data: HellaSwag's validation file (10,042 examples) from its authors' repository at a fixed
 commit, downloaded once into data/hellaswag/ and checked against the git blob id that commit gives
@@ -28,6 +28,7 @@ train_gpt.py); the scoring uses that trainer's end-of-text id and block size. Th
 --hellaswag hands over its own model and options instead (ForTrainer), and its log embeds this
 file's source and common.py's after its own.
 """
+import contextlib
 import copy
 import hashlib
 import http.client
@@ -35,6 +36,7 @@ import json
 import math
 import os
 import socket
+import stat
 import sys
 import time
 import urllib.request
@@ -58,6 +60,10 @@ EXAMPLES = 10_042
 CACHED = common.REPO / "data" / "hellaswag" / "hellaswag_val.jsonl"
 # tokens per forward: their fp32 logits take 1.6 GB (the trainer uses its micro-batch instead)
 SEQUENCE_LENGTH = 8192
+# the positions of the model's rotary tables, as many as the trainer's micro-batch may have
+MAX_SEQUENCE_LENGTH = 65536
+# the names of the trainer module that the scoring uses, besides common.py's
+TRAINER_NAMES = (*common.TRAINER_NAMES, "EOT", "BLOCK_SIZE")
 
 
 def git_blob_id(data):
@@ -71,7 +77,7 @@ def download(path=CACHED, url=URL, blob_id=GIT_BLOB_ID, data_option="--data"):
     local file instead, for the messages."""
     path = Path(path)
     if path.exists():
-        if git_blob_id(path.read_bytes()) == blob_id:
+        if git_blob_id(cached_bytes(path)) == blob_id:
             return path
         print(f"{path}: not the expected file; downloading it again", file=sys.stderr)
     try:
@@ -89,16 +95,33 @@ def download(path=CACHED, url=URL, blob_id=GIT_BLOB_ID, data_option="--data"):
         raise EvalError(f"the download from {url} is not HellaSwag's validation file "
                         f"({len(data):,} bytes, git blob id {got[:12]}, expected {blob_id[:12]}); "
                         f"nothing was saved: run again, or pass {data_option} FILE")
+    # host and process: two nodes that share the folder never write the same temp file
+    temporary = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # host and process: two nodes that share the folder never write the same temp file
-        temporary = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
         temporary.write_bytes(data)
         os.replace(temporary, path)
     except OSError as e:
+        # a full disk leaves no part of the file behind
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
         raise EvalError(f"cannot save HellaSwag to {path} ({e.strerror}); pass {data_option} "
                         "FILE") from None
     return path
+
+
+def cached_bytes(path):
+    """The bytes of the copy downloaded before, checked as --data files are: a folder, a named pipe
+    or a device there (a link to /dev/zero) is refused without being read."""
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            return path.read_bytes()
+    except OSError as e:
+        raise EvalError(f"{path}: the copy of HellaSwag downloaded before cannot be read "
+                        f"({e.strerror}): remove it, and run again to download it") from None
+    raise EvalError(f"{path}: not a regular file (a folder, a pipe or a device) where HellaSwag's "
+                    "download is kept: remove it, and run again to download it")
 
 
 def read_examples(path, limit=None, data_option="--data"):
@@ -156,11 +179,17 @@ def render(examples, tokenizer, eot=None):
     if eot is None:
         eot = tokenizer.eot_token
     rendered = []
-    for context, endings, _ in examples:
+    for number, (context, endings, _) in enumerate(examples, 1):
         start = [eot, *tokenizer.encode_ordinary(context)]
         candidates = []
         for ending in endings:
             candidates.append((start + tokenizer.encode_ordinary(" " + ending), len(start)))
+        longest = max(len(document) for document, _ in candidates)
+        # each candidate is scored whole, at positions the model's rotary tables hold
+        if longest > MAX_SEQUENCE_LENGTH:
+            raise EvalError(f"example {number} of the data: {longest:,} tokens with its longest "
+                            f"ending, more than the model's {MAX_SEQUENCE_LENGTH:,} positions: "
+                            "remove it from the data")
         rendered.append(candidates)
     return rendered
 
@@ -438,14 +467,15 @@ def run(argv):
         return common.show_source(args.checkpoint)
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be at least 1, got {args.limit}")
-    if args.sequence_length < 1:
+    if not 1 <= args.sequence_length <= MAX_SEQUENCE_LENGTH:
         raise EvalError(f"--sequence_length must be a positive multiple of the model's block "
-                        f"size, got {args.sequence_length}")
+                        f"size up to {MAX_SEQUENCE_LENGTH} (the positions of its rotary tables), "
+                        f"got {args.sequence_length}")
     # the data first: it is quicker to check than a checkpoint is to load
     examples = read(args.data, args.limit)
     tokenizer = common.encoding(args.tokenizer)
     trainer, checkpoint, built_by = common.open_checkpoint(
-        args.checkpoint, args.trainer, args.trust_checkpoint_code)
+        args.checkpoint, args.trainer, args.trust_checkpoint_code, TRAINER_NAMES)
     rank, world_size, device = common.start_processes(trainer)
     if args.sequence_length % trainer.BLOCK_SIZE:
         raise EvalError(f"--sequence_length must be a positive multiple of the model's block "
@@ -453,7 +483,8 @@ def run(argv):
     model, options = common.build_model(trainer, checkpoint, args.checkpoint, device, built_by)
     rendered = render(examples, tokenizer, trainer.EOT)
     labels = [label for _, _, label in examples]
-    window_blocks = common.trained_window_blocks(options)
+    step = common.checkpoint_step(checkpoint, options, args.checkpoint)
+    window_blocks = common.trained_window_blocks(options, step)
     try:
         acc_norm, acc, n, details = evaluate(model, rendered, labels, window_blocks, device, rank,
                                              world_size, args.sequence_length)

@@ -5,21 +5,22 @@
         --top_k 50 --seed 1
     python evals/sample.py CHECKPOINT --prompt TEXT --num_samples 4 --temperature 0.8
 
-The prompt starts a document, as in training: 50256 first. The model's own KV cache (KVCache in
-the trainer) keeps each layer's keys and values, so that a new token costs one token's forward,
-however long the document: the prompt is one forward, each new token another. The model runs in
-fp32 (its bf16 tables cast, as HellaSwag scores it), so that the cache changes only fp32 rounding
-against full forwards, where bf16's could flip a close call. At --temperature 0 (the default) a
-new token is the likeliest (greedy); else a draw from softmax(logits / temperature), among the
---top_k likeliest when given, seeded by --seed. --num_samples N draws N continuations in one
-batch (greedy: N equal ones). Only the tokenizer's ids are drawn, never the rows that pad the head
-to a multiple of 128. The document stays within the attention window the run ended its training
-with. stdout gets the prompt and its continuation, decoded, nothing stripped, and nothing else;
-with several samples, each one so, after a line `--- sample i of N`. The model is the checkpoint's
-own, built by the trainer whose source it carries when that source is a file the user has, or by
---trainer FILE (see evals/common.py: anything else stops before any of it runs, unless
---trust_checkpoint_code; --show_source prints it against train_gpt.py), with that trainer's
-end-of-text id, block size and KV cache.
+The prompt starts a document, as in training: 50256 first. The model's own KV cache (KVCache in the
+trainer) keeps each layer's keys and values, so that a new token costs one token's forward, however
+long the document: the prompt is one forward, each new token another. The model runs in fp32 (its
+bf16 tables cast, as HellaSwag scores it), so that the cache changes only fp32 rounding against full
+forwards, where bf16's could flip a close call. At --temperature 0 (the default) a new token is the
+likeliest (greedy); else a draw from softmax(logits / temperature), among the --top_k likeliest when
+given, seeded by --seed. --num_samples N draws N continuations in one batch (greedy: N equal ones).
+Only the tokenizer's ids are drawn, never the rows that pad the head to a multiple of 128. The
+document stays within the attention window the model had at the checkpoint's step (the end of its
+training, for the last one). stdout gets the prompt and its continuation, decoded, nothing stripped,
+and nothing else (a character its encoding cannot show as a replacement character); with several
+samples, each one so, after a line `--- sample i of N`. The model is the checkpoint's own, built by
+the trainer whose source it carries when that source is a file the user has, or by --trainer FILE
+(see evals/common.py: anything else stops before any of it runs, unless --trust_checkpoint_code;
+--show_source prints it against train_gpt.py), with that trainer's end-of-text id, block size and KV
+cache.
 """
 import copy
 import math
@@ -36,6 +37,8 @@ from evals.common import EvalError  # noqa: E402
 # the smallest temperature that divides any fp32 logit into a finite float64, in which the logits
 # are divided (about 1.9e-270); a smaller one but 0 is refused
 MIN_TEMPERATURE = torch.finfo(torch.float32).max / torch.finfo(torch.float64).max
+# the names of the trainer module that sampling uses, besides common.py's
+TRAINER_NAMES = (*common.TRAINER_NAMES, "EOT", "BLOCK_SIZE", "KVCache")
 
 
 def generate(model, prompt, max_new_tokens, window_blocks, vocab, temperature=0.0, top_k=0,
@@ -116,20 +119,21 @@ def run(argv):
         raise EvalError(f"--seed must be from 0 to 2**64 - 1, got {args.seed}")
     tokenizer = common.encoding(args.tokenizer)
     trainer, checkpoint, built_by = common.open_checkpoint(
-        args.checkpoint, args.trainer, args.trust_checkpoint_code)
+        args.checkpoint, args.trainer, args.trust_checkpoint_code, TRAINER_NAMES)
     rank, world_size, device = common.start_processes(trainer)
     if world_size > 1:
         raise EvalError("sample.py runs in one process: python evals/sample.py ...")
     prompt = tokenizer.encode_ordinary(args.prompt)
     # checked before the model is built
     options = common.run_options(trainer, checkpoint, args.checkpoint)
-    window_blocks = common.trained_window_blocks(options)
+    step = common.checkpoint_step(checkpoint, options, args.checkpoint)
+    window_blocks = common.trained_window_blocks(options, step)
     window = window_blocks * trainer.BLOCK_SIZE
     if 1 + len(prompt) + args.max_new_tokens > window:
         raise EvalError(f"{trainer.EOT}, the prompt's {len(prompt)} tokens and --max_new_tokens "
                         f"{args.max_new_tokens} exceed the model's attention window of {window} "
-                        "tokens (the one it ended its training with): give a shorter prompt or "
-                        "fewer new tokens")
+                        f"tokens (the one it had at step {step}, when the checkpoint was saved): "
+                        "give a shorter prompt or fewer new tokens")
     model, _ = common.build_model(trainer, checkpoint, args.checkpoint, device, built_by)
     generator = torch.Generator(device).manual_seed(args.seed)
     # fp32, as generate_batch needs it: converted here rather than copied there

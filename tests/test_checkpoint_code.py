@@ -9,7 +9,6 @@ file when it runs: the file's lines count the processes that ran it.
     python -m pytest tests/test_checkpoint_code.py -q
 """
 import ast
-import base64
 import hashlib
 import importlib.util
 import json
@@ -34,6 +33,8 @@ TOKENS += [b"\xff\xff" + i.to_bytes(2, "big") for i in range(256, train_gpt.EOT)
 STAND_IN = tiktoken.Encoding("stand-in", pat_str=r"[\s\S]",
                              special_tokens={"<|endoftext|>": train_gpt.EOT},
                              mergeable_ranks={token: rank for rank, token in enumerate(TOKENS)})
+# GPT-2's BPE, where the shared extras are beside the repository
+RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
 EXAMPLE = json.dumps(dict(ctx="A man", endings=["sat.", "ran."], label=0)) + "\n"
 TOOLS = ["hellaswag", "sample"]
 
@@ -245,6 +246,47 @@ def test_trainer_builds_the_model_from_that_file_and_warns_when_it_differs(entri
     assert not marker.exists()
 
 
+# --- files that are not trainers ------------------------------------------------------------------
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_recorded_script_that_is_not_a_trainer_is_refused_before_any_of_it_runs(
+        entries, data, tmp_path, capsys, tool):
+    # any file whose bytes are the source it carries, as Python's own this.py would be
+    marker = tmp_path / "ran.txt"
+    script = tmp_path / "this.py"
+    script.write_text(planted(marker))
+    checkpoint = save(tmp_path / "state.pt", entries, source=script.read_bytes(),
+                      script=str(script))
+    assert run_tool(tool, checkpoint, data) == 1
+    line = one_error_line(capsys)
+    assert f"its trainer ({script} (sha256" in line
+    assert ("is not a trainer this tool can use: it does not define UserError, "
+            "check_launch_environment, setup_device, start_process_group; nothing of it was run: "
+            "pass --trainer FILE") in line
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("tool,missing", [("hellaswag", None), ("sample", "KVCache")])
+def test_a_trainer_without_a_name_the_tool_uses_is_refused_before_it_runs(entries, data, tmp_path,
+                                                                          capsys, tool, missing):
+    # an older trainer: no KVCache, which only sampling uses
+    marker = tmp_path / "ran.txt"
+    older = tmp_path / "older_train_gpt.py"
+    source = entries["source"].replace(b"KVCache", b"OlderCache")
+    older.write_bytes(with_lines(source, planted(marker), at_end=True))
+    checkpoint = save(tmp_path / "state.pt", entries)
+    assert run_tool(tool, checkpoint, data, "--trainer", str(older)) == int(missing is not None)
+    err = capsys.readouterr().err
+    if missing:
+        assert err.splitlines()[-1].endswith(f"is not a trainer this tool can use: it does not "
+                                             f"define {missing}; nothing of it was run: pass "
+                                             "--trainer FILE, a copy of train_gpt.py that defines "
+                                             "them")
+        assert not marker.exists()
+    else:
+        assert "error:" not in err and marker.read_text() == "ran\n"
+
+
 def test_a_checkpoint_of_this_repository_trainer_needs_no_flag_wherever_it_was_written(
         entries, data, tmp_path, capsys):
     # written on another machine, by the same train_gpt.py
@@ -310,6 +352,27 @@ def pickle_payload(entries, tmp_path, monkeypatch):
     return checkpoint, marker
 
 
+class RunsACommand:
+    """An object whose unpickling would run a shell command (os.system, from a module that torch's
+    weights-only unpickler blocks, and words its refusal of otherwise)."""
+
+    def __reduce__(self):
+        return (os.system, ("exit 0",))
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_blocked_module_in_a_pickle_is_refused_without_torchs_advice(data, tmp_path, capsys,
+                                                                      tool):
+    checkpoint = tmp_path / "state.pt"
+    torch.save({"model": RunsACommand(), "args": {}}, checkpoint)
+    assert run_tool(tool, checkpoint, data) == 1
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {checkpoint}: refused: unpickling it could run code, as it "
+                           f"holds more than tensors and plain data (Trying to load unsupported "
+                           f"GLOBAL {os.system.__module__}.system whose module")
+    assert "corrupt" not in line and "Re-running" not in line
+
+
 @pytest.mark.parametrize("tool", TOOLS)
 def test_a_pickle_payload_is_refused_by_the_tools(pickle_payload, data, capsys, tool):
     checkpoint, marker = pickle_payload
@@ -334,12 +397,12 @@ def test_a_pickle_payload_is_not_run_by_profile_runs_resume_read(pickle_payload)
 # --- under torchrun -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def ranks_file(tmp_path_factory):
-    """STAND_IN as a tiktoken ranks file, for --tokenizer in processes of their own."""
-    path = tmp_path_factory.mktemp("ranks") / "stand_in.tiktoken"
-    lines = [f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(TOKENS)]
-    path.write_text("".join(lines))
-    return path
+def ranks_file():
+    """GPT-2's ranks file, for --tokenizer in processes of their own (a stand-in is refused: its
+    ranks are not GPT-2's)."""
+    if not RANKS.exists():
+        pytest.skip("needs ../shared/data/gpt2/gpt2.tiktoken")
+    return RANKS
 
 
 def torchrun(tool, checkpoint, data, ranks_file, cwd, *options):

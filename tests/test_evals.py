@@ -62,9 +62,9 @@ def tiny_model(dtype=torch.float64, seed=0):
 
 def write_checkpoint(path, model):
     """The entries of the trainer's checkpoints that the tools read: the weights, the options and
-    the trainer's source."""
+    the trainer's source; saved at the end of the run, with its final attention window."""
     options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=8, bf16_embeds=False)
-    torch.save(dict(step=1, model=model.state_dict(), args=asdict(options),
+    torch.save(dict(step=options.num_iterations, model=model.state_dict(), args=asdict(options),
                     source=train_gpt.SOURCE), path)
     return path
 

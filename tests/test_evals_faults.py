@@ -7,7 +7,9 @@ left with: the exit code, the last line, stdout, the files.
     python -m pytest tests/test_evals_faults.py -q
 """
 import contextlib
+import errno
 import http.server
+import io
 import json
 import os
 import signal
@@ -180,6 +182,8 @@ def test_a_device_or_a_folder_is_refused_without_being_read(checkpoint, data, tm
     ("hellaswag", ["--limit", "0"], "--limit must be at least 1"),
     ("hellaswag", ["--sequence_length", "0"], "--sequence_length must be a positive multiple"),
     ("hellaswag", ["--sequence_length", "200"], "block size, 128, got 200"),
+    # past the positions of the model's rotary tables
+    ("hellaswag", ["--sequence_length", "65664"], "up to 65536 (the positions of its rotary tables)"),
     ("hellaswag", ["--no_such_option"], "unrecognized arguments: --no_such_option"),
 ])
 def test_an_option_out_of_range_is_one_line(checkpoint, data, capsys, tool, options, message):
@@ -348,3 +352,111 @@ def test_a_stop_signal_during_the_trainers_hellaswag_stops_it_with_no_score(
     assert err.splitlines()[-1] == last
     assert "acc_norm=" not in out and "acc_norm=" not in log.read_text().split("=" * 100)[-1]
     assert list(log.parent.glob(f"{log.stem}/state_step000001.pt"))
+
+
+# --- a cached download that is not a file, a save that fails ---------------------------------------
+
+# no server listens there: a download tried is an error that names it
+NO_SERVER = "http://127.0.0.1:9/hellaswag_val.jsonl"
+
+
+@pytest.mark.parametrize("kind", ["folder", "named pipe", "link to a device"])
+def test_a_cached_hellaswag_that_is_not_a_file_is_refused_without_being_read(tmp_path, kind):
+    cached = tmp_path / "hellaswag_val.jsonl"
+    if kind == "folder":
+        cached.mkdir()
+    elif kind == "link to a device":
+        cached.symlink_to(os.devnull)
+    with contextlib.ExitStack() as stack:
+        if kind == "named pipe":
+            seen = stack.enter_context(named_pipe(cached))
+        with pytest.raises(common.EvalError) as refused:
+            hellaswag.download(cached, NO_SERVER, hellaswag.GIT_BLOB_ID)
+    if kind == "named pipe":
+        assert seen["readers"] == 0
+    assert str(refused.value) == (f"{cached}: not a regular file (a folder, a pipe or a device) "
+                                  "where HellaSwag's download is kept: remove it, and run again "
+                                  "to download it")
+
+
+def test_a_download_that_cannot_be_saved_leaves_no_temp_file(tmp_path, monkeypatch):
+    content = EXAMPLE.encode()
+    server = CutServer(content, len(content))
+
+    def disk_full(source, target):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(hellaswag.os, "replace", disk_full)
+    cached = tmp_path / "hellaswag_val.jsonl"
+    try:
+        with pytest.raises(common.EvalError, match="cannot save HellaSwag"):
+            hellaswag.download(cached, server.url, hellaswag.git_blob_id(content))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_example_longer_than_the_models_positions_is_refused():
+    examples = [("A man", ["sat.", "ran."], 0), ("x" * 65536, ["sat.", "ran."], 0)]
+    with pytest.raises(common.EvalError, match="example 2 of the data: 65,542 tokens"):
+        hellaswag.render(examples, STAND_IN)
+
+
+# --- a stdout that cannot be written, or cannot show the text -------------------------------------
+
+@pytest.mark.parametrize("tool", ["hellaswag", "sample", "show_source"])
+def test_a_full_stdout_is_one_error_line(checkpoint, data, tmp_path, capsys, monkeypatch, tool):
+    if tool == "show_source":
+        # a source with a line more than train_gpt.py: a diff to print
+        entries = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        checkpoint = tmp_path / "fork.pt"
+        torch.save({**entries, "source": entries["source"] + b"# a fork\n"}, checkpoint)
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        if tool == "hellaswag":
+            code = hellaswag.main([str(checkpoint), "--data", str(data)])
+        elif tool == "sample":
+            code = sample.main([str(checkpoint), "--max_new_tokens", "1"])
+        else:
+            code = sample.main([str(checkpoint), "--show_source"])
+        err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.splitlines()[-1] == ("error: cannot write to stdout (No space left on device): send "
+                                    "the output somewhere it can be written")
+
+
+def test_text_the_console_cannot_show_is_printed_with_replacement_characters(checkpoint,
+                                                                             monkeypatch):
+    console = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
+    monkeypatch.setattr(sys, "stdout", console)
+    code = sample.main([str(checkpoint), "--prompt", "caf\u00e9 \u2192", "--max_new_tokens", "0"])
+    assert code == 0
+    assert console.buffer.getvalue() == "caf\u00e9 ?\n".encode("latin-1")
+
+
+# --- a checkpoint's options -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("changed,message", [
+    (dict(num_iterations=0), "(--num_iterations must be at least 1; got 0)"),
+    (dict(window_start=-100000), "(--window_start must be at least 128 tokens"),
+    (dict(window_end=-100000), "(--window_end must be at least 128 tokens"),
+])
+def test_a_checkpoint_with_invalid_options_is_one_line(checkpoint, data, tmp_path, capsys,
+                                                       changed, message):
+    entries = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    invalid = tmp_path / "invalid.pt"
+    torch.save({**entries, "args": {**entries["args"], **changed}}, invalid)
+    assert run_both(invalid, data) == (1, 1)
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and all(line.startswith(f"error: {invalid}: its saved options are "
+                                                    f"invalid {message}") for line in errors)
+
+
+def test_a_checkpoint_saved_before_the_end_has_the_window_of_its_step(checkpoint, capsys):
+    # saved at step 1 of 1,390: a window of 1 block, 128 tokens (14 at the end)
+    prompt = "x" * 127
+    assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "0"]) == 0
+    assert capsys.readouterr().out == prompt + "\n"
+    assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "1"]) == 1
+    assert ("attention window of 128 tokens (the one it had at step 1, when the checkpoint was "
+            "saved)") in one_error_line(capsys)
