@@ -13,8 +13,8 @@ compilation?
 The runs alternate A1 B1 A2 B2 ... so that a machine that warms up or slows down over time
 weighs on both sides alike. Every run uses all visible GPUs (torchrun --standalone, one process
 per GPU); without a GPU it is one plain process on the CPU; --nproc overrides both. Each run gets
-a fresh --log_dir under the output folder (default logs/ab-<timestamp>/), where its log and its
-console output (console.log) stay.
+a fresh --log_dir under the output folder (default logs/ab-<timestamp>-<process id>/), where its
+log and its console output (console.log) stay.
 
 Printed: one row per run (ms/step, peak memory, seconds from launch to the end of step 1, final
 val loss), then the ratio B/A of ms/step: its mean over the pairs (A1,B1), (A2,B2), ... and the
@@ -130,13 +130,14 @@ def run_once(label: str, cmd: list[str], run_dir: Path, stop: PassOn) -> runlog.
     """Run one trainer command, its output going to run_dir/console.log; return its parsed log."""
     if stop.signum:
         raise Stopped(f"stopped by {signal.Signals(stop.signum).name} before {label}")
-    run_dir.mkdir(parents=True)
+    # A1 was made when --out was claimed
+    run_dir.mkdir(parents=True, exist_ok=True)
     console = run_dir / "console.log"
-    print(f"{label}: {shlex.join(cmd)}", flush=True)
+    runlog.to_console(f"{label}: {shlex.join(cmd)}")
     start = time.perf_counter()
     with open(console, "w") as out:
         code = stop.run(cmd, out)
-    print(f"{label}: finished in {time.perf_counter() - start:.1f} s", flush=True)
+    runlog.to_console(f"{label}: finished in {time.perf_counter() - start:.1f} s")
     if stop.signum:
         # its stop line, wherever it is: torchrun's report of the signal follows it
         lines = console_lines(console) or ["no output"]
@@ -231,7 +232,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--nproc", metavar="N", type=int, help="processes per run (default: GPUs seen, else 1)"
     )
     parser.add_argument(
-        "--out", metavar="DIR", type=Path, help="output folder (default logs/ab-<timestamp>)"
+        "--out", metavar="DIR", type=Path, help="output folder (default logs/ab-<timestamp>-<pid>)"
     )
     args = parser.parse_args(argv)
     args.common = common
@@ -243,7 +244,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def check_arguments(args: argparse.Namespace) -> str | None:
     """What is wrong with the sides' scripts or the output folder, or None."""
     for name, spec in (("A", args.a), ("B", args.b)):
-        side = shlex.split(spec)
+        try:
+            side = shlex.split(spec)
+        except ValueError as e:
+            problem = str(e).lower()
+            return f"{name} cannot be split as a shell would ({problem}): {spec!r}; fix its quotes"
         if not side or not os.path.lexists(side[0]):
             return f"{name} must begin with an existing script: {spec!r}"
         try:
@@ -269,12 +274,21 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         if isinstance(e, (FileExistsError, NotADirectoryError)):
             reason = "a file stands in its path"
         return f"--out {args.out} cannot be made or written to ({reason}); give another --out folder"
+    # claimed: of two A/Bs that found it empty at once, one makes its first run's folder
+    try:
+        (args.out / "A1").mkdir()
+    except FileExistsError:
+        return f"another A/B took --out {args.out} meanwhile; give each A/B its own --out folder"
+    except OSError as e:
+        reason = e.strerror or e
+        return f"--out {args.out} cannot be made or written to ({reason}); give another --out folder"
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    args.out = args.out or Path("logs") / time.strftime("ab-%Y%m%d-%H%M%S")
+    # the process id: two A/Bs started in one second write apart
+    args.out = args.out or Path("logs") / time.strftime(f"ab-%Y%m%d-%H%M%S-{os.getpid()}")
     problem = check_arguments(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -286,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = PassOn()
     try:
         nproc = args.nproc or max(1, visible_gpus())
-        print(f"{args.runs} run(s) each of A and B, alternating, {nproc} process(es) per run")
-        print(f"logs in {args.out}")
+        runlog.to_console(
+            f"{args.runs} run(s) each of A and B, alternating, {nproc} process(es) per run"
+        )
+        runlog.to_console(f"logs in {args.out}")
         for i in range(1, args.runs + 1):
             for name, side in sides.items():
                 label = f"{name}{i}"
@@ -315,4 +331,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runlog.run_printing(main))

@@ -18,12 +18,14 @@ among other lines (startup:, checkpoint:, resumed from ..., stopped by ...), and
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import math
 import os
 import re
 import stat
+import sys
 from dataclasses import dataclass
 from dataclasses import field
 from pathlib import Path
@@ -90,6 +92,74 @@ def read_file(path: Path) -> bytes:
 def cannot(path, what: str, error: OSError) -> str:
     """The line for a path that cannot be listed or read."""
     return f"{path} cannot be {what} ({error.strerror or error}): make it readable, or leave it out"
+
+
+def keep_any_name_printable() -> None:
+    """A path that is not valid in the console's encoding (a log named with a stray byte) prints
+    with escapes instead of ending the tool in a UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict":
+            stream.reconfigure(errors="backslashreplace")
+
+
+def to_console(line: str) -> None:
+    """Print a line on stdout. A console gone away (a closed pipe, a full disk) never ends the
+    work going on: stdout writes to os.devnull from then on, and no later print fails."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+class Console:
+    """Stdout, which remembers whether writing to it failed (a closed pipe, a full disk)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self.failed = True
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            self.failed = True
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def run_printing(main) -> int:
+    """main()'s exit code, its output flushed. Stdout that went away is no traceback: a closed
+    pipe (its reader, as `| head`, took what it wanted) ends quietly with 141, as SIGPIPE would;
+    another failure to write (a full disk) is one error line."""
+    keep_any_name_printable()
+    console = sys.stdout = Console(sys.stdout)
+    try:
+        code = main()
+        console.flush()
+        return code
+    except OSError as e:
+        if not console.failed:
+            raise
+        # what is left of the output goes nowhere, rather than into a second error at exit
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), console.fileno())
+        if isinstance(e, BrokenPipeError):
+            return 141
+        print(f"error: the output could not be written ({e.strerror or e}): write it elsewhere",
+              file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout = console.stream
 
 
 def files_below(folder: Path, suffix: str) -> tuple[list[Path], list[str]]:

@@ -63,13 +63,37 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
+def check_arguments(args):
+    """The device the options name, or what is wrong with them."""
+    if args.new_tokens < 1:
+        return f"--new_tokens must be at least 1; got {args.new_tokens}"
+    if args.prompt_tokens < 0:
+        return f"--prompt_tokens must be at least 0; got {args.prompt_tokens}"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    # the clock waits for these two only (synchronize)
+    if device is None or device.type not in ("cpu", "cuda"):
+        return f"--device {args.device} is not one this tool times; give cpu, or cuda on a GPU machine"
+    try:
+        torch.zeros(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"--device {args.device} cannot be used ({reason}); give cpu, or cuda on a GPU machine"
+    return device
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--prompt_tokens", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = check_arguments(args)
+    if isinstance(device, str):
+        print(f"error: {device}", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     model = train_gpt.GPT.from_args(train_gpt.Hyperparameters(), device).to(device).eval()
     with torch.no_grad():

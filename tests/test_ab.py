@@ -7,6 +7,7 @@ failures, stops passed on to the run, and one real A/B of the smoke preset.
 import math
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from helpers import REPO
 from helpers import launch_env
 from helpers import load_records_script
 from helpers import run_process
+from helpers import started
 
 SCRIPT = REPO / "records" / "ab.py"
 
@@ -254,6 +256,80 @@ def test_an_out_that_cannot_be_made_is_one_line_before_any_run(fake, tmp_path, c
     assert captured.err.startswith(f"error: --out {out} cannot be made or written to (")
     assert captured.err.count("\n") == 1 and captured.out == ""
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_an_unbalanced_quote_is_one_line_naming_the_side_before_any_run(fake, tmp_path, capsys):
+    out = tmp_path / "out"
+    b = f'{fake} --tag "B'
+    code = ab.main([str(fake), b, "--nproc", "1", "--out", str(out)])
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"error: B cannot be split as a shell would (no closing quotation): {b!r}; fix its quotes\n"
+    )
+    assert captured.out == "" and not out.exists()
+
+
+def test_an_out_another_ab_took_meanwhile_is_one_line_before_any_run(
+    fake, tmp_path, capsys, monkeypatch
+):
+    """Two A/Bs found --out empty at once; the other made its first run's folder first."""
+    out = tmp_path / "out"
+    order = tmp_path / "order.txt"
+    make_temporary_file = ab.tempfile.TemporaryFile
+
+    def other_ab_meanwhile(*args, **kwargs):
+        (out / "A1").mkdir(exist_ok=True)
+        return make_temporary_file(*args, **kwargs)
+
+    monkeypatch.setattr(ab.tempfile, "TemporaryFile", other_ab_meanwhile)
+    code = ab.main([str(fake), str(fake), "--nproc", "1", "--out", str(out), "--",
+                    "--order", str(order)])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"error: another A/B took --out {out} meanwhile; give each A/B its own --out folder\n"
+    )
+    assert not order.exists()
+
+
+def test_abs_started_in_one_second_write_to_folders_of_their_own(
+    fake, tmp_path, capsys, monkeypatch
+):
+    """The default --out, logs/ab-<timestamp>-<process id>, of two A/B processes."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ab.time, "strftime", lambda fmt: fmt.replace("%Y%m%d-%H%M%S", "same"))
+    for pid in (111, 222):
+        monkeypatch.setattr(ab.os, "getpid", lambda: pid)
+        code = ab.main([f"{fake} --tag A", f"{fake} --tag B", "--runs", "1", "--nproc", "1",
+                        "--", "--order", "order.txt"])
+        assert code == 0, capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["ab-same-111", "ab-same-222"]
+    assert Path("order.txt").read_text().split() == ["A", "B", "A", "B"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stdout", ["closed pipe", "full disk"])
+def test_stdout_that_goes_away_never_ends_the_ab(fake, tmp_path, stdout):
+    """Its reader gone (`| head -1`) or its disk full: every run still runs, no traceback."""
+    if stdout == "full disk" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    order = tmp_path / "order.txt"
+    command = [sys.executable, str(SCRIPT), f"{fake} --tag A", f"{fake} --tag B", "--nproc", "1",
+               "--out", str(tmp_path / "out"), "--", "--order", str(order)]
+    if stdout == "full disk":
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True,
+                                  env=launch_env(), timeout=60)
+        stderr = proc.stderr
+    else:
+        with started(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env=launch_env()) as process:
+            # closed before ab.py has printed a line
+            process.stdout.close()
+            stderr = process.stderr.read()
+            process.wait(60)
+    assert order.read_text().split() == ["A", "B", "A", "B"]
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
 
 
 # ------------------------------------------------------------------- whose flags, and stops

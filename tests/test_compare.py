@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -22,6 +23,7 @@ from helpers import REPO
 from helpers import launch_env
 from helpers import load_records_script
 from helpers import run_process
+from helpers import started
 
 SCRIPT = REPO / "records" / "compare.py"
 
@@ -443,6 +445,42 @@ def test_command_line_script(tmp_path):
     assert "broken.txt" in proc.stderr and "Traceback" not in proc.stderr
     assert SUMMARY.match(proc.stdout.strip().splitlines()[-1])
     assert all(str(tmp_path / f"r{i}.txt") in proc.stdout for i in range(2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stdout", ["closed pipe", "full disk"])
+def test_stdout_that_goes_away_is_no_traceback(tmp_path, stdout):
+    """A closed pipe (`| head -1`) ends quietly; a full disk is one error line."""
+    if stdout == "full disk" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    group_logs(tmp_path, [3.27, 3.275])
+    command = [sys.executable, str(SCRIPT), str(tmp_path)]
+    if stdout == "full disk":
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True,
+                                  env=launch_env(), timeout=60)
+        assert proc.returncode == 1
+        assert proc.stderr == ("error: the output could not be written (No space left on device): "
+                               "write it elsewhere\n")
+        return
+    with started(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 env=launch_env()) as process:
+        # closed before compare.py has printed a line
+        process.stdout.close()
+        stderr = process.stderr.read()
+        process.wait(60)
+    assert process.returncode == 141 and stderr == ""
+
+
+@pytest.mark.slow
+def test_a_log_name_the_console_cannot_encode_is_printed_escaped(tmp_path):
+    log = make_log(tmp_path / "run.txt", curve(3.27), 40)
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/run\xff.txt"))
+    log.rename(odd)
+    proc = run_process([sys.executable, str(SCRIPT), str(tmp_path)], 60,
+                       env=launch_env(PYTHONIOENCODING="utf-8"))
+    assert proc.returncode == 0, proc.stderr
+    assert "run\\udcff.txt" in proc.stdout and "Traceback" not in proc.stderr
 
 
 # -------------------------------------------------------------------------------- plot

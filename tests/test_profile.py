@@ -2,12 +2,17 @@
 options."""
 
 import json
+import os
 import re
+import time
+import warnings
 from dataclasses import asdict
 
 import pytest
 import torch
 from helpers import load_records_script
+from helpers import tiny
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from train_gpt import Hyperparameters
 
@@ -79,8 +84,86 @@ def test_a_resumed_runs_options_come_from_its_checkpoint_unless_given(tmp_path):
     saved = Hyperparameters(num_iterations=7, log_dir=str(tmp_path / "x"))
     torch.save(dict(args=asdict(saved)), checkpoint)
     argv = ["--resume", str(checkpoint), "--log_dir", str(tmp_path / "y")]
-    args = profile_run.trainer_options(argv)
+    args, start = profile_run.trainer_options(argv)
     assert args.num_iterations == 7 and args.log_dir == str(tmp_path / "y")
+    # no step saved: the trainer refuses it
+    assert start == 0
+    torch.save(dict(args=asdict(saved), step=4), checkpoint)
+    assert profile_run.trainer_options(argv)[1] == 4
     # the trainer refuses it
-    missing = profile_run.trainer_options(["--resume", str(tmp_path / "missing.pt")])
-    assert missing.num_iterations == Hyperparameters().num_iterations
+    missing, start = profile_run.trainer_options(["--resume", str(tmp_path / "missing.pt")])
+    assert missing.num_iterations == Hyperparameters().num_iterations and start == 0
+
+
+# ------------------------------------------------------------- its own log, resumed, failed
+
+
+def profile_lines(log):
+    return [line for line in log.read_text().splitlines() if line.startswith("profile: ")]
+
+
+@pytest.mark.slow
+def test_the_profile_goes_into_the_runs_own_log_when_another_run_writes_beside_it(
+    markov_shards, tmp_path, capsys
+):
+    """Another run's log appears in the same --log_dir during the run, newer than this run's."""
+    log_dir = tmp_path / "logs"
+    other = log_dir / "11111111-2222-3333-4444-555555555555.txt"
+
+    def other_run_writes(optimizer, args, kwargs):
+        if not other.exists():
+            other.write_text("another run's log\n")
+            # written after this run's last line
+            os.utime(other, (time.time() + 3600, time.time() + 3600))
+
+    hook = register_optimizer_step_post_hook(other_run_writes)
+    try:
+        code = profile_run.main(["--steps", "1", *tiny(markov_shards, log_dir,
+                                                        "--num_iterations", "4")])
+    finally:
+        hook.remove()
+    assert code == 0, capsys.readouterr().err
+    assert other.read_text() == "another run's log\n"
+    (log,) = set(log_dir.glob("*.txt")) - {other}
+    assert profile_lines(log)[0].startswith("profile: 1 train step(s) after the first 3 ")
+    assert log.with_suffix(".trace.json").exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_run_profiles_the_steps_it_has_left(markov_shards, tmp_path, capsys):
+    """Resumed at step 2 of 4: 2 train steps left, the first warms up, the second is profiled."""
+    import train_gpt
+
+    first = tiny(markov_shards, tmp_path / "first", "--num_iterations", "4", "--checkpoint_every",
+                 "2")
+    assert train_gpt.main(first) == 0
+    (checkpoint,) = (tmp_path / "first").glob("*/state_step000002.pt")
+    log_dir = tmp_path / "resumed"
+    argv = ["--steps", "1", "--resume", str(checkpoint), "--log_dir", str(log_dir)]
+    assert profile_run.main(argv) == 0, capsys.readouterr().err
+    (log,) = log_dir.glob("*.txt")
+    assert profile_lines(log)[0].startswith("profile: 1 train step(s) after the first 1 ")
+
+
+@pytest.mark.parametrize(
+    "trainer_argv,env,last_line",
+    [
+        (["--num_iterations", "-4"], {}, "error: --num_iterations must be at least 1; got -4"),
+        (["--resume", "missing.pt"], {}, "error: --resume 'missing.pt': cannot read it"),
+        ([], {"RANK": ""}, "error: RANK='' set in the environment, but this process was not"),
+    ],
+)
+def test_a_run_the_trainer_refuses_ends_with_its_error_line(
+    tmp_path, capsys, monkeypatch, trainer_argv, env, last_line
+):
+    """No profile line after it, and no warning of torch's about the profiler's schedule."""
+    monkeypatch.chdir(tmp_path)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = profile_run.main(["--steps", "2", "--preset", "smoke", *trainer_argv])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(last_line) and "profile: " not in err
+    assert not [w for w in caught if "warmup" in str(w.message)]
