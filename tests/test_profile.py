@@ -103,11 +103,17 @@ def profile_lines(log):
 
 
 @pytest.mark.slow
-def test_the_profile_goes_into_the_runs_own_log_when_another_run_writes_beside_it(
-    markov_shards, tmp_path, capsys
-):
-    """Another run's log appears in the same --log_dir during the run, newer than this run's."""
-    log_dir = tmp_path / "logs"
+def test_a_resumed_run_profiles_the_steps_it_has_left_into_its_own_log(markov_shards, tmp_path,
+                                                                       capsys):
+    """Resumed at step 2 of 4: 2 train steps left, the first warms up, the second is profiled; the
+    log of another run appears in the same --log_dir meanwhile, newer than this run's."""
+    import train_gpt
+
+    first = tiny(markov_shards, tmp_path / "first", "--num_iterations", "4", "--checkpoint_every",
+                 "2")
+    assert train_gpt.main(first) == 0
+    (checkpoint,) = (tmp_path / "first").glob("*/state_step000002.pt")
+    log_dir = tmp_path / "resumed"
     other = log_dir / "11111111-2222-3333-4444-555555555555.txt"
 
     def other_run_writes(optimizer, args, kwargs):
@@ -118,31 +124,15 @@ def test_the_profile_goes_into_the_runs_own_log_when_another_run_writes_beside_i
 
     hook = register_optimizer_step_post_hook(other_run_writes)
     try:
-        code = profile_run.main(["--steps", "1", *tiny(markov_shards, log_dir,
-                                                        "--num_iterations", "4")])
+        argv = ["--steps", "1", "--resume", str(checkpoint), "--log_dir", str(log_dir)]
+        code = profile_run.main(argv)
     finally:
         hook.remove()
     assert code == 0, capsys.readouterr().err
     assert other.read_text() == "another run's log\n"
     (log,) = set(log_dir.glob("*.txt")) - {other}
-    assert profile_lines(log)[0].startswith("profile: 1 train step(s) after the first 3 ")
-    assert log.with_suffix(".trace.json").exists()
-
-
-@pytest.mark.slow
-def test_a_resumed_run_profiles_the_steps_it_has_left(markov_shards, tmp_path, capsys):
-    """Resumed at step 2 of 4: 2 train steps left, the first warms up, the second is profiled."""
-    import train_gpt
-
-    first = tiny(markov_shards, tmp_path / "first", "--num_iterations", "4", "--checkpoint_every",
-                 "2")
-    assert train_gpt.main(first) == 0
-    (checkpoint,) = (tmp_path / "first").glob("*/state_step000002.pt")
-    log_dir = tmp_path / "resumed"
-    argv = ["--steps", "1", "--resume", str(checkpoint), "--log_dir", str(log_dir)]
-    assert profile_run.main(argv) == 0, capsys.readouterr().err
-    (log,) = log_dir.glob("*.txt")
     assert profile_lines(log)[0].startswith("profile: 1 train step(s) after the first 1 ")
+    assert log.with_suffix(".trace.json").exists()
 
 
 @pytest.mark.parametrize(
