@@ -104,10 +104,14 @@ def keep_any_name_printable() -> None:
 
 def to_console(line: str) -> None:
     """Print a line on stdout. A console gone away (a closed pipe, a full disk) never ends the
-    work going on: stdout writes to os.devnull from then on, and no later print fails."""
+    work going on: stdout writes to os.devnull from then on, and no later print fails. A closed
+    pipe's reader took what it wanted; any other failure is told on stderr, once."""
     try:
         print(line, flush=True)
-    except OSError:
+    except OSError as e:
+        if not isinstance(e, BrokenPipeError):
+            print(f"warning: stdout cannot be written ({e.strerror or e}): what follows is "
+                  "dropped; the work goes on", file=sys.stderr, flush=True)
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 

@@ -330,6 +330,9 @@ def test_stdout_that_goes_away_never_ends_the_ab(fake, tmp_path, stdout):
             process.wait(60)
     assert order.read_text().split() == ["A", "B", "A", "B"]
     assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    # a full disk is said once; a reader that has gone needs no word
+    dropped = "warning: stdout cannot be written (No space left on device): what follows is dropped"
+    assert stderr.count(dropped) == (stdout == "full disk"), stderr
 
 
 # ------------------------------------------------------------------- whose flags, and stops
