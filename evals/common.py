@@ -582,6 +582,15 @@ def run_main(body):
         warn(line)
         tell_launcher(line)
         return 1
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        # a CPU allocation that fails is a RuntimeError of this wording
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        line = (f"error: out of memory ({first_line(e)[:200]}): ask for less at once, fewer "
+                "--num_samples (sample.py) or a shorter --sequence_length (hellaswag.py)")
+        warn(line)
+        tell_launcher(line)
+        return 1
     except KeyboardInterrupt:
         # Ctrl-C: one line, not a traceback, and the shell's code for it
         warn("stopped by SIGINT")

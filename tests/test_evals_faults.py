@@ -425,6 +425,29 @@ def test_a_full_stdout_is_one_error_line(checkpoint, data, tmp_path, capsys, mon
                                     "the output somewhere it can be written")
 
 
+@pytest.mark.parametrize("failure", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate "
+                 "memory: you tried to allocate 25600000000 bytes. Error code 12")])
+def test_memory_that_runs_out_is_one_line_saying_to_ask_for_less(checkpoint, capsys, monkeypatch,
+                                                                  failure):
+    def generate_batch(*args, **kwargs):
+        raise failure
+    monkeypatch.setattr(sample, "generate_batch", generate_batch)
+    code = sample.main([str(checkpoint), "--max_new_tokens", "1", "--num_samples", "100000000"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("error: out of memory (") and "fewer --num_samples" in err
+
+
+def test_another_runtime_error_keeps_its_traceback(checkpoint, monkeypatch):
+    def generate_batch(*args, **kwargs):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(sample, "generate_batch", generate_batch)
+    with pytest.raises(RuntimeError, match="a bug"):
+        sample.main([str(checkpoint), "--max_new_tokens", "1"])
+
+
 def test_text_the_console_cannot_show_is_printed_with_replacement_characters(checkpoint,
                                                                              monkeypatch):
     console = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
