@@ -5,6 +5,7 @@ Online, tiktoken downloads it on first use and caches it. Offline, every tool th
 openai-whisper package), from which the same encoding is built here, with tiktoken's own pattern.
 Used by data/text_to_shards.py and evals/.
 """
+import base64
 import hashlib
 
 import files
@@ -27,7 +28,6 @@ def gpt2_encoding(tokenizer_file=None):
     cached)."""
     try:
         import tiktoken
-        import tiktoken.load
         import tiktoken_ext.openai_public
     except ImportError:
         message = "tiktoken is not installed: `pip install -r requirements.txt`"
@@ -40,15 +40,24 @@ def gpt2_encoding(tokenizer_file=None):
             raise TokenizerError(f"cannot get GPT-2's encoding from tiktoken ({type(e).__name__}); "
                                  f"offline, {TOKENIZER_HINT}") from None
     try:
-        # checked before tiktoken opens it: a pipe would never end
-        files.checked(tokenizer_file)
-        ranks = tiktoken.load.load_tiktoken_bpe(str(tokenizer_file))
+        # read here, checked first (a pipe would never end): tiktoken's loader keeps a copy of
+        # every file it reads, by path, and gives that copy again once the file has changed
+        lines = files.read_bytes(tokenizer_file).splitlines()
     except files.FileProblem as e:
         raise TokenizerError(f"--tokenizer {e}") from None
-    except Exception as e:
-        # not base64 and rank on each line
-        raise TokenizerError(f"--tokenizer {tokenizer_file}: not a tiktoken ranks file "
-                             f"({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise TokenizerError(f"--tokenizer {tokenizer_file}: cannot read it ({e.strerror})") from None
+    ranks = {}
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            # a token's bytes in base64, and its rank
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise TokenizerError(f"--tokenizer {tokenizer_file}: not a tiktoken ranks file (line "
+                                 f"{number} is not a token in base64 and its rank)") from None
     if len(ranks) != GPT2_RANKS or sorted(ranks.values()) != list(range(GPT2_RANKS)):
         raise TokenizerError(f"--tokenizer {tokenizer_file}: {len(ranks):,} ranks, not GPT-2's "
                              f"{GPT2_RANKS:,} (0 to 50255): the shards' ids would mean other text")

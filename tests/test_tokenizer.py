@@ -39,6 +39,20 @@ def test_missing_or_foreign_ranks_file_is_one_clear_error(tmp_path):
     garbage.write_text("this is not a ranks file\n")
     with pytest.raises(gpt2_tokenizer.TokenizerError, match="not a tiktoken ranks file"):
         gpt2_tokenizer.gpt2_encoding(garbage)
+    # a JSON Lines file given by mistake: its long line is not quoted
+    jsonl = tmp_path / "given_by_mistake.jsonl"
+    jsonl.write_text('{"text":"' + "word" * 1000 + '"}\n')
+    with pytest.raises(gpt2_tokenizer.TokenizerError, match="not a tiktoken ranks file") as error:
+        gpt2_tokenizer.gpt2_encoding(jsonl)
+    assert len(str(error.value)) < 300 and "\n" not in str(error.value)
+
+
+def test_a_ranks_file_changed_in_place_is_read_again(tmp_path):
+    ranks = tmp_path / "mine.tiktoken"
+    for count in (1, 2):
+        write_ranks(ranks, {bytes([i]): i for i in range(count)})
+        with pytest.raises(gpt2_tokenizer.TokenizerError, match=f": {count} ranks, not GPT-2's"):
+            gpt2_tokenizer.gpt2_encoding(ranks)
 
 
 def write_ranks(path, ranks):
