@@ -269,18 +269,14 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()
-    except OSError as e:
-        reason = e.strerror or e
-        if isinstance(e, (FileExistsError, NotADirectoryError)):
-            reason = "a file stands in its path"
-        return f"--out {args.out} cannot be made or written to ({reason}); give another --out folder"
-    # claimed: of two A/Bs that found it empty at once, one makes its first run's folder
-    try:
+        # claimed: of two A/Bs that found it empty at once, one makes its first run's folder
         (args.out / "A1").mkdir()
     except FileExistsError:
         return f"another A/B took --out {args.out} meanwhile; give each A/B its own --out folder"
     except OSError as e:
         reason = e.strerror or e
+        if isinstance(e, NotADirectoryError):
+            reason = "a file stands in its path"
         return f"--out {args.out} cannot be made or written to ({reason}); give another --out folder"
     return None
 
