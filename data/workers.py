@@ -29,6 +29,8 @@ import numpy as np
 
 IN_FLIGHT = 4
 STUCK_SECONDS = 10
+# what the run stops on: held while the workers are forked (see Workers)
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 BEAT_SECONDS = 0.5
 # a worker's row in the memory it shares with the run
 PID, CPU, BEGUN, DONE = range(4)
@@ -55,6 +57,20 @@ class Workers:
         self.progress = {}
         arguments = (function, shared, context.Value("i", 0), os.getpid(), lock if forked else None)
         self.pool = concurrent.futures.ProcessPoolExecutor(count, context, start, arguments)
+        # Started now, the stop signals held meanwhile: one that came during a fork would be
+        # raised in an at-fork handler, where Python prints it and goes on. A held one comes after.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            try:
+                self.pool.submit(int).result()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        except BrokenProcessPool:
+            raise WorkerError(self.death()) from None
+        # a stop that came meanwhile, raised as the signals are let through
+        except BaseException:
+            self.stop(gracefully=False)
+            raise
 
     def answers(self, tasks):
         """function(task) for each task, in order; an error raised by `tasks` comes after the
@@ -70,7 +86,11 @@ class Workers:
                 while window:
                     yield self.answer(window.popleft())
                 raise error
-            window.append(self.pool.submit(work, task))
+            try:
+                window.append(self.pool.submit(work, task))
+            # a worker died since the last answer
+            except BrokenProcessPool:
+                raise WorkerError(self.death()) from None
             if len(window) >= IN_FLIGHT * self.count:
                 yield self.answer(window.popleft())
         while window:
@@ -93,6 +113,10 @@ class Workers:
             return answer
 
     def look_for_a_stuck_worker(self):
+        """A dead worker (the pool may not see it: a worker killed while it sent an answer leaves
+        the pool waiting for the rest), or one without progress for STUCK_SECONDS, is an error."""
+        if any(p.exitcode is not None for p in list(self.pool._processes.values())):
+            raise WorkerError(self.death())
         now = time.monotonic()
         for pid, cpu, begun, done in self.rows:
             moved = self.progress.get(pid)
@@ -103,22 +127,35 @@ class Workers:
                                   f"in {STUCK_SECONDS} s)")
 
     def death(self):
-        """Which worker died, and how: the pool terminates (SIGTERM) the others."""
+        """Which worker died, and how (the pool terminates the others with SIGTERM); then the others
+        are ended."""
         processes = list(self.pool._processes.values())
-        self.pool.shutdown(wait=True)
-        dead = [p for p in processes if p.exitcode not in (None, -signal.SIGTERM)]
-        victim = (dead or [p for p in processes if p.exitcode is not None] or processes)[0]
-        if victim.exitcode is not None and victim.exitcode < 0:
-            how = f"was killed by {signal.Signals(-victim.exitcode).name}"
+        # the pool can see a death (half an answer) a moment before the process's end is known
+        deadline = time.monotonic() + 1
+        while all(p.exitcode is None for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        exited = [p for p in processes if p.exitcode is not None]
+        victim = ([p for p in exited if p.exitcode != -signal.SIGTERM] or exited or processes)[0]
+        code = victim.exitcode
+        self.stop(gracefully=False)
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
         else:
-            how = f"exited with status {victim.exitcode}"
+            how = f"exited with status {code}"
         return f"a {self.name} (pid {victim.pid}) {how}"
 
     def stop(self, gracefully):
-        """End the workers: let them finish when all went well, else kill them now."""
+        """End the workers: let them finish when all went well, else kill them now. Then no worker
+        can write to the pipe of answers: this process's end of it is closed, so that the pool's
+        thread, if a killed worker left it waiting for the rest of an answer, reads its end."""
         if not gracefully:
-            for process in list((self.pool._processes or {}).values()):
+            processes = list((self.pool._processes or {}).values())
+            for process in processes:
                 process.kill()
+            for process in processes:
+                process.join()
+            if self.pool._result_queue is not None:
+                self.pool._result_queue._writer.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -130,6 +167,8 @@ def start(function, shared, rows_taken, parent, lock):
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # a stop signal sent to a worker alone kills it (the run then says so)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # forked while the run held them (Workers): taken from here on, as set above
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if sys.platform.startswith("linux"):
         # PR_SET_PDEATHSIG: the kernel kills this process when the run ends
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)

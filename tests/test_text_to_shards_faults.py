@@ -10,6 +10,7 @@ separate processes (slow); the rest run in this process.
 import errno
 import itertools
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ import pytest
 import shards
 import text_to_shards
 import tiktoken
+import workers
 from helpers import REPO
 from helpers import launch_env
 
@@ -557,6 +559,50 @@ def test_a_worker_that_cannot_finish_ends_the_run_in_one_line_within_seconds(tmp
     assert not group_alive(group)
     # nothing was written: no shard, no temporary file
     assert not [path for path in out.iterdir() if path.suffix in (".bin", ".tmp")]
+
+
+# The pool itself: a death seen between tasks, a stop while it forks ------------------------------
+def test_a_worker_killed_between_tasks_is_one_error_naming_it():
+    pool = workers.Workers(2, abs)
+    try:
+        assert list(pool.answers([-1, -2])) == [1, 2]
+        victim = next(iter(pool.pool._processes.values()))
+        os.kill(victim.pid, signal.SIGKILL)
+        # the pool sees it before the next task is given (which is where it then says so)
+        deadline = time.monotonic() + 10
+        while not pool.pool._broken and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(workers.WorkerError, match=rf"\(pid {victim.pid}\) was killed by SIGKILL"):
+            list(pool.answers([-3] * 100))
+    finally:
+        pool.stop(gracefully=False)
+
+
+class Stop(Exception):
+    pass
+
+
+def raise_stop(signum, frame):
+    raise Stop
+
+
+def test_a_stop_signal_while_the_workers_are_forked_stops_and_leaves_no_worker(monkeypatch):
+    # the first fork from here on gets a SIGTERM sent to this process from its at-fork hook
+    pending = [True]
+
+    def signal_during_the_fork():
+        if pending:
+            pending.clear()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    os.register_at_fork(before=signal_during_the_fork)
+    previous = signal.signal(signal.SIGTERM, raise_stop)
+    try:
+        with pytest.raises(Stop):
+            workers.Workers(2, abs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not pending and multiprocessing.active_children() == []
 
 
 # Every path checked before it is opened ----------------------------------------------------------
