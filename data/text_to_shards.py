@@ -132,6 +132,8 @@ def local_inputs(paths, out):
     try:
         for given in paths:
             found = files.files_under(given, leave_out=out) if os.path.isdir(given) else [given]
+            if not found and os.path.realpath(given) == os.path.realpath(out):
+                raise InputError(f"{given} is the output folder too (--out): pick another --out")
             if not found:
                 raise InputError(f"{given}: an empty folder: no files to read")
             for file in map(Path, found):
@@ -429,7 +431,8 @@ def refuse_others(out, identity, present, manifest):
         raise UserError(f"{out} holds {present[0]}, which this script did not write (no "
                         f"{MANIFEST} there): {remedy}, or move the shards away")
     if manifest is None or not all(key in manifest for key in identity):
-        raise UserError(f"{out / MANIFEST} is not the record this script writes: {remedy}")
+        raise UserError(f"{out / MANIFEST} is not the record this script writes: {remedy}, or "
+                        "delete that folder to make it again")
     differs = []
     if manifest["name"] != identity["name"]:
         differs.append(f"the name {manifest['name']!r}")

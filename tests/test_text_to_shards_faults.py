@@ -420,6 +420,25 @@ def test_a_text_given_twice_is_refused_before_its_documents_reach_val_and_train(
     assert not (tmp_path / "out").exists()
 
 
+def test_an_input_folder_that_is_the_output_folder_is_named_as_such(tmp_path, inputs, capsys):
+    folder = inputs[0].parent
+    assert make([folder], folder) == 1
+    assert capsys.readouterr().err.strip() == (f"error: {folder} is the output folder too (--out): "
+                                               "pick another --out")
+
+
+def test_a_record_that_is_not_the_tools_says_both_ways_on(tmp_path, inputs, capsys):
+    out = tmp_path / "out"
+    assert make(inputs, out) == 0
+    (out / "text_to_shards.json").write_text("garbage\n")
+    capsys.readouterr()
+    assert make(inputs, out) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {out / 'text_to_shards.json'} is not the record this script")
+    assert err.endswith("pass another --out (a folder holds one dataset's shards), or delete that "
+                        "folder to make it again")
+
+
 @pytest.mark.parametrize("out", ["a_file", "a_file/shards"])
 def test_an_output_folder_where_a_file_stands_is_one_line(tmp_path, inputs, capsys, out):
     (tmp_path / "a_file").write_text("kept")
