@@ -78,7 +78,8 @@ BLOCKS = (lambda v, args: v > 0 and v % BLOCK_SIZE == 0, f"a positive multiple o
 MICRO_BATCH = (lambda v, args: 0 < v <= 65536 and v % BLOCK_SIZE == 0,
                f"a multiple of {BLOCK_SIZE} from {BLOCK_SIZE} to 65536")
 # the window, interpolated between its two ends, must hold a whole block at every step
-WINDOW = (lambda v, args: v >= BLOCK_SIZE, f"at least {BLOCK_SIZE} tokens (one attention block)")
+WINDOW = (lambda v, args: BLOCK_SIZE <= v <= 65536,
+          f"from {BLOCK_SIZE} (one attention block) to 65536 tokens (the longest sequence)")
 GPT2_VOCAB = (lambda v, args: v > EOT, f"at least {EOT + 1}: GPT-2 token ids go up to {EOT} (end of text)")
 U_NET_DEPTH = (lambda v, args: v >= 6 and v % 2 == 0,
                "even, at least 6 (U-net halves, 3+3 value-embedded layers)")
@@ -807,6 +808,7 @@ import argparse
 import collections
 import ctypes
 import datetime
+import errno
 import filecmp
 import hashlib
 import importlib.metadata
@@ -1247,9 +1249,12 @@ def prepare_shards(args, split, num_tokens):
         stream = markov_stream(num_tokens, seed, chain_seed=0)
         with atomic_write(path) as tmp:
             write_data_shard(tmp, stream)
-    except (OSError, MemoryError) as e:
+    # numpy refuses an array past its largest size with a ValueError
+    except (OSError, MemoryError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or "out of memory"
         raise UserError(f"cannot write the synthetic shard {path} of {num_tokens:,} tokens "
-                        f"({getattr(e, 'strerror', 'out of memory')}): free some space") from None
+                        f"({reason}): free some space, or lower --num_iterations or "
+                        "--batch_size") from None
     return glob.escape(str(path))
 
 def fetch_hint(num_iterations, batch_size):
@@ -1461,6 +1466,9 @@ class RunLog(contextlib.AbstractContextManager):
         if self.master and self.file:
             try:
                 print(line, file=self.file, flush=True)
+                # deleted (its folder, say): lines written to it from now on would be lost
+                if not os.path.exists(self.path):
+                    raise FileNotFoundError(errno.ENOENT, "deleted during the run")
             except OSError as e:
                 self.failure = f"cannot write to the log {self.path} ({e.strerror})"
                 self.close()
@@ -1820,6 +1828,9 @@ def load_checkpoint(argv, path):
     shards = train_shards(args)
     if shards != saved_shards:
         refused.append(f"train shards (name:tokens) {saved_shards[:3]} -> {shards[:3]}")
+    # the synthetic train stream is drawn by the seed
+    if args.train_files == "synthetic" and "seed" in changed:
+        refused.append(f"--seed {saved.get('seed')} -> {args.seed} (the synthetic train stream)")
     if refused:
         raise UserError(f"--resume {path!r}: {', '.join(refused)} would change the model, the data "
                         "position or the schedules: leave these options as the checkpoint has them")
@@ -2129,7 +2140,10 @@ class Run(contextlib.AbstractContextManager):
             if event is not None:
                 event.synchronize()
             self.pending.pop(0)
-            average = self.clock.step_avg(step + 1, train_time_ms)
+            # a step before the first timed one (a resumed run's first compiles): no average
+            average = math.nan
+            if step >= self.clock.timed_from:
+                average = self.clock.step_avg(step + 1, train_time_ms)
             self.log(f"step:{step + 1}/{self.args.num_iterations} "
                      f"train_loss:{self.host_losses[step].item():.4f} "
                      f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")

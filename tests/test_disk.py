@@ -3,6 +3,7 @@ temp files of interrupted writes, once no process owns them), and a full disk is
 lost run."""
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -210,6 +211,29 @@ def test_a_log_that_cannot_be_written_stops_the_run_with_one_line_and_a_checkpoi
     # all it could write, kept
     assert log.read_text().splitlines()[-1].startswith("step:2/8 train_loss:")
     torch.load(checkpoint)
+
+
+@pytest.mark.slow
+def test_a_log_deleted_during_the_run_stops_it_with_one_line_and_a_checkpoint(markov_shards,
+                                                                               tmp_path, capsys,
+                                                                               monkeypatch):
+    """At step 2 the log folder is deleted (the log open in it): not a run that ends well."""
+    logs = {}
+
+    def delete_the_folder():
+        (logs["log"],) = tmp_path.glob("*.txt")
+        shutil.rmtree(tmp_path)
+
+    at_step(monkeypatch, {2: delete_the_folder})
+    code = train_gpt.main(tiny(markov_shards, tmp_path, "--checkpoint_every", "2",
+                               "--val_loss_every", "0", *ONE_MICRO_BATCH))
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    log = logs["log"]
+    checkpoint = tmp_path / log.stem / "state_step000003.pt"
+    assert err.startswith(f"error: cannot write to the log {log} (deleted during the run): stopped "
+                          "after step 3; ")
+    assert err.rstrip().endswith(f" --resume {checkpoint}") and checkpoint.exists()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/full is Linux's")

@@ -23,7 +23,8 @@ BAD = {
     "num_iterations": ["0", "-5"],  # 0: once blamed the synthetic shard for holding 2 tokens
     "cooldown_frac": ["2", "-0.1", "nan"],  # 2: once silently accepted
     "window_start": ["0", "127"],  # 127 // 128 = 0 blocks at step 0
-    "window_end": ["64"],
+    # 10**14: an int32 overflow mid-run once (longer than any sequence: no use)
+    "window_end": ["64", "100000000000000"],
     # 100: an IndexError deep in the embedding once; 50256 has no room for EOT
     "vocab_size": ["100", "50256"],
     "num_layers": ["0", "4", "7"],

@@ -393,3 +393,30 @@ def test_a_checkpoint_that_cannot_continue_the_run_is_one_error_line(
         err.startswith(f"error: --resume {str(path)!r}") and err.count("\n") == 1 and words in err
     ), err
     assert not (tmp_path / "logs").exists()  # refused before anything is written
+
+
+def test_a_resumed_runs_first_step_is_untimed_and_its_line_says_so(markov_shards, tmp_path,
+                                                                   monkeypatch, one_thread):
+    """As a new run's first steps: no step_avg (a resumed run's first step compiles)."""
+    monkeypatch.setattr(train_gpt, "UNTIMED_STEPS", 2)
+    options = tiny(markov_shards, tmp_path / "first", "--num_iterations", "6", "--checkpoint_every",
+                   "4", "--val_loss_every", "0", *ONE_MICRO_BATCH)
+    assert train_gpt.main(options) == 0
+    (checkpoint,) = (tmp_path / "first").glob("*/state_step000004.pt")
+    assert train_gpt.main(["--resume", str(checkpoint), "--log_dir", str(tmp_path / "again")]) == 0
+    text = finished_log(tmp_path / "again").read_text()
+    lines = re.findall(r"^step:\d+/6 train_loss:.*$", text, re.MULTILINE)
+    assert [line.split()[0] for line in lines] == ["step:5/6", "step:6/6"]
+    assert lines[0].endswith(" step_avg:nanms") and not lines[1].endswith(" step_avg:nanms")
+
+
+def test_another_seed_is_refused_where_it_draws_the_train_stream(tmp_path):
+    saved = train_gpt.Hyperparameters(train_files="synthetic", val_files="synthetic", seed=0)
+    path = tmp_path / "state.pt"
+    torch.save(dict(args=train_gpt.asdict(saved), train_shards=[], step=2,
+                    source_sha256=train_gpt.SOURCE_SHA256), path)
+    with pytest.raises(train_gpt.UserError, match=r"--seed 0 -> 5 \(the synthetic train stream\)"):
+        train_gpt.load_checkpoint(["--resume", str(path), "--seed", "5"], str(path))
+    # the same seed: taken
+    args, _ = train_gpt.load_checkpoint(["--resume", str(path)], str(path))
+    assert args.seed == 0
