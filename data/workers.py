@@ -29,8 +29,8 @@ import numpy as np
 
 IN_FLIGHT = 4
 STUCK_SECONDS = 10
-# what the run stops on: held while the workers are forked (see Workers)
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+# what the run stops on: only noted while the workers are forked (see Workers)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 BEAT_SECONDS = 0.5
 # a worker's row in the memory it shares with the run
 PID, CPU, BEGUN, DONE = range(4)
@@ -57,14 +57,24 @@ class Workers:
         self.progress = {}
         arguments = (function, shared, context.Value("i", 0), os.getpid(), lock if forked else None)
         self.pool = concurrent.futures.ProcessPoolExecutor(count, context, start, arguments)
-        # Started now, the stop signals held meanwhile: one that came during a fork would be
-        # raised in an at-fork handler, where Python prints it and goes on. A held one comes after.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        # Started now, a stop signal only noted meanwhile, then raised again: the run's handler,
+        # run inside an at-fork hook, would raise there, where Python prints it and goes on.
+        noted = []
+
+        def note(signum, frame):
+            noted.append(signum)
+
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {signum: signal.signal(signum, note) for signum in STOP_SIGNALS}
         try:
             try:
                 self.pool.submit(int).result()
             finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
+                if noted:
+                    signal.raise_signal(noted[0])
         except BrokenProcessPool:
             raise WorkerError(self.death()) from None
         # a stop that came meanwhile, raised as the signals are let through
@@ -167,8 +177,6 @@ def start(function, shared, rows_taken, parent, lock):
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # a stop signal sent to a worker alone kills it (the run then says so)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # forked while the run held them (Workers): taken from here on, as set above
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if sys.platform.startswith("linux"):
         # PR_SET_PDEATHSIG: the kernel kills this process when the run ends
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)

@@ -322,7 +322,13 @@ def test_a_resumed_run_refuses_a_change_of_exactly_the_fixed_options(monkeypatch
         old = getattr(args, f.name)
         new = other_value(old)
         argv = ["--resume", path, f"--{f.name}", str(new)]
-        if f.metadata["fixed"]:
+        # the seed draws the smoke preset's synthetic train stream
+        if f.name == "seed":
+            with pytest.raises(train_gpt.UserError) as refusal:
+                train_gpt.load_checkpoint(argv, path)
+            assert (f": --seed {old} -> {new} (the synthetic train stream) would change the model"
+                    in str(refusal.value))
+        elif f.metadata["fixed"]:
             with pytest.raises(train_gpt.UserError) as refusal:
                 train_gpt.load_checkpoint(argv, path)
             assert f": --{f.name} {old} -> {new} would change the model" in str(refusal.value)
