@@ -461,8 +461,8 @@ def test_text_the_console_cannot_show_is_printed_with_replacement_characters(che
 
 @pytest.mark.parametrize("changed,message", [
     (dict(num_iterations=0), "(--num_iterations must be at least 1; got 0)"),
-    (dict(window_start=-100000), "(--window_start must be at least 128 tokens"),
-    (dict(window_end=-100000), "(--window_end must be at least 128 tokens"),
+    (dict(window_start=-100000), "(--window_start must be from 128 (one attention block) to 65536"),
+    (dict(window_end=-100000), "(--window_end must be from 128 (one attention block) to 65536"),
 ])
 def test_a_checkpoint_with_invalid_options_is_one_line(checkpoint, data, tmp_path, capsys,
                                                        changed, message):
