@@ -2174,6 +2174,8 @@ class Run(contextlib.AbstractContextManager):
                 how = ("its checkpoint could not be written (see the warning above), nor any "
                        "before it")
         when = f"after step {self.step}"
+        if self.stopping and self.step == self.args.num_iterations:
+            when += ", in HellaSwag's scoring (no score)"
         if during:
             step = "the set-up" if self.step is None else f"step {self.step}"
             when = f"during {step}, which did not end within torchrun's grace period"

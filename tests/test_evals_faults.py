@@ -348,7 +348,8 @@ def test_a_stop_signal_during_the_trainers_hellaswag_stops_it_with_no_score(
     log = finished_log(tmp_path / "logs")
     name = signal.Signals(signum).name
     last = log.read_text().splitlines()[-1]
-    assert last.startswith(f"stopped by {name} after step 1; resume with: ")
+    assert last.startswith(f"stopped by {name} after step 1, in HellaSwag's scoring (no score); "
+                           "resume with: ")
     assert err.splitlines()[-1] == last
     assert "acc_norm=" not in out and "acc_norm=" not in log.read_text().split("=" * 100)[-1]
     assert list(log.parent.glob(f"{log.stem}/state_step000001.pt"))
