@@ -7,6 +7,7 @@ import fcntl
 import glob
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # the trainer under test; conftest.py sets it (from --trainer) before the test modules are imported
@@ -307,6 +309,43 @@ def hub_environment(env):
         importlib.reload(constants)
         if not bars_off:
             huggingface_hub.utils.enable_progress_bars()
+
+
+# --- GPT-2's BPE ranks, for the tests that tokenise offline --------------------------------------
+
+RANKS_HINT = ("set GPT2_TIKTOKEN to a gpt2.tiktoken file (GPT-2's BPE ranks, as the openai-whisper "
+              "package ships them), or fetch tiktoken's own once online: "
+              "python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\"")
+
+
+def gpt2_ranks():
+    """A ranks file of GPT-2's BPE: $GPT2_TIKTOKEN, else one written from tiktoken's cache of its
+    "gpt2" encoding (read without a download where the cache holds it); None when neither."""
+    if os.environ.get("GPT2_TIKTOKEN"):
+        return Path(os.environ["GPT2_TIKTOKEN"]).resolve()
+    import base64
+    import hashlib
+    import tempfile
+
+    import tiktoken_ext.openai_public
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+    cache = Path(cache or Path(tempfile.gettempdir(), "data-gym-cache"))
+    urls = re.findall(r'"(https://\S+)"', inspect.getsource(tiktoken_ext.openai_public.gpt2))
+    if not urls or not all((cache / hashlib.sha1(url.encode()).hexdigest()).exists() for url in urls):
+        return None
+    import tiktoken
+    ranks = tiktoken.get_encoding("gpt2")._mergeable_ranks
+    path = Path(tempfile.gettempdir(), "gpt2-from-tiktoken-cache.tiktoken")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n"
+                           for token, rank in sorted(ranks.items(), key=lambda item: item[1])))
+    os.replace(tmp, path)
+    return path
+
+
+RANKS = gpt2_ranks()
+needs_ranks = pytest.mark.skipif(RANKS is None or not RANKS.is_file(),
+                                 reason=f"needs GPT-2's BPE ranks: {RANKS_HINT}")
 
 
 # --- the trainer's log ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+import helpers
 import pytest
 import tiktoken
 import torch
@@ -33,8 +34,8 @@ TOKENS += [b"\xff\xff" + i.to_bytes(2, "big") for i in range(256, train_gpt.EOT)
 STAND_IN = tiktoken.Encoding("stand-in", pat_str=r"[\s\S]",
                              special_tokens={"<|endoftext|>": train_gpt.EOT},
                              mergeable_ranks={token: rank for rank, token in enumerate(TOKENS)})
-# GPT-2's BPE, where the shared extras are beside the repository
-RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
+# GPT-2's BPE (helpers.gpt2_ranks)
+RANKS = helpers.RANKS
 EXAMPLE = json.dumps(dict(ctx="A man", endings=["sat.", "ran."], label=0)) + "\n"
 TOOLS = ["hellaswag", "sample"]
 
@@ -400,8 +401,8 @@ def test_a_pickle_payload_is_not_run_by_profile_runs_resume_read(pickle_payload)
 def ranks_file():
     """GPT-2's ranks file, for --tokenizer in processes of their own (a stand-in is refused: its
     ranks are not GPT-2's)."""
-    if not RANKS.exists():
-        pytest.skip("needs ../shared/data/gpt2/gpt2.tiktoken")
+    if RANKS is None or not RANKS.is_file():
+        pytest.skip(f"needs GPT-2's BPE ranks: {helpers.RANKS_HINT}")
     return RANKS
 
 

@@ -10,6 +10,7 @@ import copy
 import functools
 import random
 
+import helpers
 import numpy as np
 import pytest
 import tiktoken
@@ -231,10 +232,10 @@ def test_samples_drawn_in_one_batch_are_seeded_and_greedy_ones_equal():
     assert draw(5, num_samples=2, temperature=3.0, top_k=1) == [single] * 2
 
 
-RANKS = train_gpt.Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
+RANKS = helpers.RANKS
 
 
-@pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+@helpers.needs_ranks
 def test_sample_cli_prints_each_of_num_samples(tmp_path, capsys):
     options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=8)
     path = tmp_path / "state.pt"

@@ -12,6 +12,7 @@ import threading
 from dataclasses import asdict
 from types import SimpleNamespace
 
+import helpers
 import pytest
 import tiktoken
 import torch
@@ -27,9 +28,8 @@ from evals import common
 from evals import hellaswag
 from evals import sample
 
-RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
-needs_ranks = pytest.mark.skipif(not RANKS.exists(),
-                                 reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+RANKS = helpers.RANKS
+needs_ranks = helpers.needs_ranks
 CPU = torch.device("cpu")
 EOT = train_gpt.EOT
 END_OF_TEXT = {"<|endoftext|>": EOT}

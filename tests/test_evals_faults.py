@@ -19,6 +19,7 @@ import sys
 import threading
 from dataclasses import asdict
 
+import helpers
 import pytest
 import tiktoken
 import torch
@@ -32,7 +33,7 @@ from evals import common
 from evals import hellaswag
 from evals import sample
 
-RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
+RANKS = helpers.RANKS
 # a token per byte, 50256, and ids 256 to 50255 that decode (to 4 bytes) but that no text encodes to
 STAND_IN = tiktoken.Encoding(
     "bytes", pat_str=r"[\s\S]", special_tokens={"<|endoftext|>": train_gpt.EOT},
@@ -207,7 +208,7 @@ def test_the_smallest_temperature_draws_the_greedy_tokens(checkpoint, capsys):
 # --- a closed stdout, a cut download, a bad byte, torchrun's error file ---------------------------
 
 @pytest.mark.slow
-@pytest.mark.skipif(not RANKS.exists(), reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+@helpers.needs_ranks
 def test_a_closed_stdout_is_quiet(tmp_path):
     """`python evals/sample.py ... | true`: the reader has gone before the text is written."""
     path = tmp_path / "state.pt"

@@ -17,6 +17,7 @@ import random
 import sys
 import textwrap
 
+import helpers
 import pytest
 import tiktoken
 import torch
@@ -31,10 +32,8 @@ from evals import common
 from evals import hellaswag
 from evals import sample
 
-RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not RANKS.exists(),
-                                 reason="needs ../shared/data/gpt2/gpt2.tiktoken")]
+RANKS = helpers.RANKS
+pytestmark = [pytest.mark.slow, helpers.needs_ranks]
 # A tokenizer stand-in: a token per byte (ids 0-255, those of the smoke preset's synthetic data,
 # so the model's choices among candidates are its own, not noise), 50256, and ids 256 to 50255
 # that decode (to 4 bytes) but that no text encodes to

@@ -1,8 +1,8 @@
 """data/text_to_shards.py: text files, JSON Lines (plain and gzipped), Parquet and a stand-in of the
 hub in; shards out, read with the trainer's own reader and compared with an independent encoding
 of every document. Most runs are in this process with a tiny byte-level encoding (one token per
-UTF-8 byte), so that decoding is plain bytes; GPT-2's real BPE where ../shared has its ranks
-file."""
+UTF-8 byte), so that decoding is plain bytes; GPT-2's real BPE where its ranks
+file is at hand (helpers.gpt2_ranks)."""
 import gzip
 import json
 import os
@@ -11,6 +11,7 @@ import sys
 import zlib
 
 import gpt2_tokenizer
+import helpers
 import hub
 import numpy as np
 import pytest
@@ -24,9 +25,8 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 import train_gpt
 
-RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
-needs_ranks = pytest.mark.skipif(not RANKS.exists(),
-                                 reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+RANKS = helpers.RANKS
+needs_ranks = helpers.needs_ranks
 try:
     import pyarrow
     import pyarrow.parquet
@@ -506,7 +506,7 @@ def test_the_smoke_model_trains_on_the_shards(tmp_path):
     of the model is not what is checked)."""
     paths = write_inputs(tmp_path / "in", corpus(300, seed=8), ["jsonl", "jsonl.gz"])
     inputs = text_to_shards.local_inputs(paths, tmp_path / "out")
-    encoding = gpt2_tokenizer.gpt2_encoding(RANKS) if RANKS.exists() else byte_encoding()
+    encoding = gpt2_tokenizer.gpt2_encoding(RANKS) if RANKS else byte_encoding()
     text_to_shards.convert(inputs, tmp_path / "out", "mine", encoding, val_tokens=300,
                            shard_tokens=1500)
     args = ["--preset", "smoke", "--train_files", str(tmp_path / "out" / "mine_train_*.bin"),

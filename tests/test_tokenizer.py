@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 
 import gpt2_tokenizer
+import helpers
 import pytest
 from helpers import launch_env
 from helpers import run_process
 
 REPO = Path(__file__).resolve().parent.parent
-RANKS = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
-needs_ranks = pytest.mark.skipif(not RANKS.exists(),
-                                 reason="needs ../shared/data/gpt2/gpt2.tiktoken")
+RANKS = helpers.RANKS
+needs_ranks = helpers.needs_ranks
 
 
 @needs_ranks
