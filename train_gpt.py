@@ -1835,6 +1835,9 @@ def load_checkpoint(argv, path):
         raise UserError(f"--resume {path!r}: {', '.join(refused)} would change the model, the data "
                         "position or the schedules: leave these options as the checkpoint has them")
     note = f"resumed from {path} at step {checkpoint['step']}"
+    # the run that wrote it, wherever the checkpoint was copied: a resumed run counts once
+    if "run_id" in checkpoint:
+        note += f" of run {checkpoint['run_id']}"
     if other_script:
         note += f", written by {writer}: another script, accepted (--accept_other_script)"
     if changed:
@@ -2059,6 +2062,7 @@ class Run(contextlib.AbstractContextManager):
         state = dict(step=step, model=self.model.state_dict(), optimizers=optimizer_states,
                      loader=(loader.shard, loader.pos), timing=timing, args=asdict(self.args),
                      source=SOURCE, source_sha256=SOURCE_SHA256, script=SCRIPT,
+                     run_id=self.log.run_id,
                      train_shards=train_shards(self.args, loader.files, self.facts))
         path = self.checkpoint_path(step)
         self.saved = None

@@ -275,7 +275,9 @@ def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_acce
     assert train_gpt.main([*argv, "--accept_other_script", "true"]) == 0
     log = finished_log(tmp_path / "logs")
     lines = log.read_text().splitlines()
-    assert (f"resumed from {forked} at step 8, written by my_attempt.py (sha256 000000000000): "
+    # the run that wrote it named by its id, its log's and checkpoint folder's name
+    run_id = checkpoints[-1].parent.name
+    assert (f"resumed from {forked} at step 8 of run {run_id}, written by my_attempt.py (sha256 000000000000): "
             "another script, accepted (--accept_other_script); options changed: "
             "--val_loss_every 2 -> 4, "
             f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines)
