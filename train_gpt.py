@@ -739,10 +739,10 @@ def build_model(args, run):
 # the first steps compile and warm up: train time starts after them, as in the record
 UNTIMED_STEPS = 10
 
-def train(args, checkpoint=None):
+def train(args, checkpoint=None, stop=None):
     """One run: its set-up, then at each step validation and checkpoints, training, logging. `run`
     keeps it safe (below the fence): checks, data, log and clock, the agreed stop, checkpoints."""
-    with Run(args, checkpoint) as run:
+    with Run(args, checkpoint, stop) as run:
         train_loader, val_loader = run.train_loader, run.val_loader
         micro_batch, accum_steps, val_batch = micro_batch_plan(args, run.world_size)
         model, train_model, optimizers = build_model(args, run)
@@ -819,12 +819,10 @@ import resource
 import shlex
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import traceback
 import uuid
 import warnings
@@ -832,8 +830,6 @@ import zipfile
 from dataclasses import asdict
 from dataclasses import fields
 from pathlib import Path
-
-from torch.utils._pytree import tree_leaves
 
 # triton has Linux wheels only; without it (macOS, Windows) --fused_head_loss stays off
 try:
@@ -1031,27 +1027,19 @@ def check_fused_head(model, option, log):
 # --------------------------------------------------------------------------------------------------
 # Checks: the launch, the options, the device
 
-# What torchrun sets for each process, TORCHELASTIC_* beside them. Left over in a shell, they make a
-# process a rank of no run: RANK=1 trains with no log and wrong Muon updates; WORLD_SIZE=2 waits
-# for a second process that never comes.
-LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                    "MASTER_PORT", "TORCHELASTIC_RUN_ID"]
+# What torchrun sets for each process it starts. Left over in a shell (some, or the seven a script
+# exported), they make a process a rank of no run: RANK=1 trains with no log and wrong Muon updates;
+# WORLD_SIZE=2 waits for a second process that never comes.
+TORCHRUN_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "GROUP_WORLD_SIZE",
+                      "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"]
 
 def check_launch_environment():
-    """A process torchrun started has all of these, and its agent answers at MASTER_ADDR and
-    MASTER_PORT: any other mix is a leftover in a shell, refused on every process before anything
-    waits."""
-    found = [name for name in LAUNCH_VARIABLES if name in os.environ]
-    found += sorted(name for name in os.environ if name.startswith("TORCHELASTIC_")
-                    and name not in found)
-    launched = all(name in os.environ for name in LAUNCH_VARIABLES)
-    if launched and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        try:
-            address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-            socket.create_connection(address, timeout=10).close()
-        except (OSError, ValueError):
-            launched = False
-    if found and not launched:
+    """A process torchrun started has all of torchrun's variables: some of them are a leftover in a
+    shell, refused on every process before anything waits."""
+    found = [name for name in TORCHRUN_VARIABLES if name in os.environ]
+    if found and len(found) < len(TORCHRUN_VARIABLES):
         settings = " ".join(f"{name}={shlex.quote(os.environ[name])}" for name in found)
         raise UserError(f"{settings} set in the environment, but this process was not started by "
                         f"torchrun: for one process, `unset {' '.join(found)}` first; for several, "
@@ -1115,6 +1103,11 @@ def setup_device():
 # how long a collective waits for the other processes: a process that stops answering (frozen, or
 # its node off the network) ends the run with an error on the others, not half an hour of silence
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+def timed_out(error, world_size):
+    """Whether an error is a collective's timeout: another process of the run stopped answering."""
+    return (world_size > 1 and isinstance(error, RuntimeError)
+            and re.search("timed out|timeout", str(error), re.IGNORECASE) is not None)
 
 def start_process_group(device):
     # torch 2.13 deprecates two calls whose replacements 2.11 lacks: DDP's broadcast_buffers (off
@@ -1183,9 +1176,15 @@ REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
 
 def read_shard_header(path):
     """Check a shard's header against its size, without reading the tokens; returns their count."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    try:
+        size = os.stat(path).st_size
+        if not os.path.isfile(path):
+            raise IsADirectoryError(errno.EISDIR, "a folder, a pipe or a device, not a token shard")
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read this shard ({e.strerror}): narrow --train_files or "
+                        "--val_files to readable shards") from None
     if len(header) < 256:
         raise UserError(f"{path}: truncated shard ({size} bytes, under the 1024-byte header); "
                         f"{REFETCH_HINT}")
@@ -1264,53 +1263,13 @@ def fetch_hint(num_iterations, batch_size):
     shards = f"{needed + 1}` (this run reads {needed} train shards)" if needed > 1 else "1`"
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
 
-def listed(pattern):
-    """glob.glob's matches, sorted; a folder on the glob's way that cannot be listed is one line
-    naming it (glob passes over it without a word)."""
-    folder = os.path.dirname(pattern)
-    for path in listed(folder) if glob.has_magic(folder) else [folder or "."]:
-        try:
-            if os.path.isdir(path):
-                os.scandir(path).close()
-        except OSError as e:
-            raise UserError(f"{path}: cannot list this folder ({e.strerror}): its shards would be "
-                            "left out; make it readable, or narrow --train_files/--val_files")
-    return sorted(glob.glob(pattern))
-
 def shard_files(pattern, hint):
-    """The shards a glob matches, in order; none is one line (a [ or ? in it is named: a folder
-    `run[1]` is matched by the class [1], "1")."""
-    files = listed(pattern)
-    if files:
-        return files
-    escaped = re.sub(r"([\[?])", r"[\1]", pattern)
-    advice = f"{hint}, or point --train_files/--val_files at your shards"
-    if escaped != pattern:
-        advice = f"[ and ? are glob characters: {escaped!r} matches them as such; else {advice}"
-    if glob.glob(escaped):
-        advice = f"[ and ? are glob characters: {escaped!r} matches them as such"
-    raise UserError(f"no data shard matches {pattern!r}: {advice}")
-
-def shard_facts(path, expected=None):
-    """A shard's tokens (header checked), size, modification and change times and inode; one line
-    for a file that is not a regular readable one, or (expected: its facts at start-up) one that
-    changed since (its change time moves with any write, and its bytes rewritten in place too)."""
-    since = "" if expected is None else " since the run started"
-    try:
-        info = os.stat(path)
-        if not os.path.isfile(path):
-            raise IsADirectoryError(0, "a folder, a pipe or a device, not a token shard")
-        facts = (read_shard_header(path), info.st_size, info.st_mtime_ns, info.st_ctime_ns,
-                 info.st_ino)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read this shard{since} ({e.strerror}): narrow "
-                        "--train_files or --val_files to readable shards, or restore it") from None
-    if expected not in (None, facts):
-        how = f"{expected[0]:,} tokens then, {facts[0]:,} now"
-        if expected[0] == facts[0]:
-            how = f"written again, {facts[0]:,} tokens"
-        raise UserError(f"{path}: changed since the run started ({how}): restore it")
-    return facts
+    """The shards a glob matches, in sorted name order; none is one line."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise UserError(f"no data shard matches {pattern!r}: {hint}, or point --train_files/"
+                        "--val_files at your shards")
+    return files
 
 def batches_before_wrap(files, sizes, batch_size):
     """How many whole batches the loader takes from the shards before it wraps around."""
@@ -1387,16 +1346,11 @@ def make_writable_folder(folder, option):
         raise UserError(f"{option}: cannot make or write to {folder} ({reason}): "
                         "pick another") from None
 
-def temp_path(path):
-    """Where path is written before it is renamed into place: a name of this machine and process, so
-    that a later run can tell the temp file of a write cut short from one still being written."""
-    return f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
-
 @contextlib.contextmanager
 def atomic_write(path):
     """The temp path to write path's bytes to, renamed into place once written: never half a file,
-    and a write that fails leaves none."""
-    tmp = temp_path(path)
+    and a write that fails leaves none (a process killed mid-write leaves its .tmp)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         yield tmp
         os.replace(tmp, path)
@@ -1405,45 +1359,17 @@ def atomic_write(path):
             os.remove(tmp)
         raise
 
-def remove_stale_temp_files(args):
-    """Remove and return the temp files of this trainer's writes cut short here whose process is
-    gone (no other file): run folders' checkpoints, synthetic shards, --compile_cache."""
-    owner = rf"\.{re.escape(socket.gethostname())}\.(\d+)\.tmp"
-    log_dir = re.escape(os.path.join(args.log_dir, ""))
-    sep = re.escape(os.sep)
-    run_folder = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-    own_names = [rf"{log_dir}{run_folder}{sep}state_step\d{{6}}\.pt{owner}",
-                 rf"{log_dir}synthetic-seed\d+{sep}synthetic_(?:train|val)_\d{{6}}\.bin{owner}"]
-    candidates = glob.glob(os.path.join(glob.escape(args.log_dir), "*", "*.tmp"))
-    if args.compile_cache:
-        own_names.append(re.escape(args.compile_cache) + owner)
-        candidates += glob.glob(f"{glob.escape(args.compile_cache)}.*.tmp")
-    removed = []
-    for path in candidates:
-        owners = [int(m[1]) for m in (re.fullmatch(name, path) for name in own_names) if m]
-        # alive, or another user's (PermissionError): kept
-        with contextlib.suppress(OSError, OverflowError, IndexError):
-            try:
-                os.kill(owners[0], 0)
-            except ProcessLookupError:
-                os.remove(path)
-                removed.append(path)
-    return removed
-
 class RunLog(contextlib.AbstractContextManager):
     """Rank 0 writes the log (the other ranks' calls do nothing). A line that cannot be written (a
-    full disk) closes the file and sets `failure`: the ranks then stop as on a signal (CleanStop),
-    and the line saying so goes to stderr."""
+    full disk) ends the run with one line: where the last checkpoint is (resume_hint)."""
     def __init__(self, args, master, hellaswag=None):
         self.file = None
         self.run_id = str(uuid.uuid4())
         self.master = master
-        self.removed = []
+        self.args = args
         # the checkpoints this run wrote, (step, path), oldest first: the only files it deletes
         self.checkpoints = []
-        # the step of the last checkpoint that could not be written
-        self.unsaved_step = None
-        self.failure = None
+        self.resume_hint = "no checkpoint was written"
         if master:
             make_writable_folder(args.log_dir, "--log_dir")
             self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
@@ -1457,7 +1383,6 @@ class RunLog(contextlib.AbstractContextManager):
                 self.close()
                 raise UserError(f"cannot write to the log {self.path} ({e.strerror}): free some "
                                 "space or pick another --log_dir") from None
-            self.removed = remove_stale_temp_files(args)
 
     def __call__(self, line, console=True):
         """Log a line; print it (on the stream given as console) unless console is False."""
@@ -1466,12 +1391,10 @@ class RunLog(contextlib.AbstractContextManager):
         if self.master and self.file:
             try:
                 print(line, file=self.file, flush=True)
-                # deleted (its folder, say): lines written to it from now on would be lost
-                if not os.path.exists(self.path):
-                    raise FileNotFoundError(errno.ENOENT, "deleted during the run")
             except OSError as e:
-                self.failure = f"cannot write to the log {self.path} ({e.strerror})"
                 self.close()
+                raise UserError(f"cannot write to the log {self.path} ({e.strerror}): free some "
+                                f"space; {self.resume_hint}") from None
 
     def close(self):
         if self.file:
@@ -1481,9 +1404,12 @@ class RunLog(contextlib.AbstractContextManager):
             self.file = None
 
     def __exit__(self, kind, error, trace):
-        # main() prints a UserError; Python prints any other error's traceback, here kept in the log
+        # main() prints a UserError and a stop's line; Python prints any other error's traceback,
+        # here kept in the log
         if isinstance(error, UserError):
             self(f"error: {error}", console=False)
+        elif isinstance(error, Stopped):
+            self(stopped_before_steps(error.signum, self.args), console=False)
         elif isinstance(error, Exception):
             self("".join(traceback.format_exception(kind, error, trace)).rstrip(), console=False)
         self.close()
@@ -1514,9 +1440,6 @@ class RunLog(contextlib.AbstractContextManager):
              f"{passes:.2f} passes over the train shards")
         for note in notes:
             self(note)
-        if self.removed:
-            self(f"removed {len(self.removed)} temp files of interrupted writes: "
-                 f"{', '.join(self.removed)}")
         self("=" * 100, console=False)
 
 class TrainClock:
@@ -1668,73 +1591,56 @@ def startup_report(args, compiled, stamp, master, step):
 
 # steps between exchanges of the stop flag among processes
 STOP_CHECK_EVERY = 5
-# the stop flag, above every signal number, when rank 0 cannot write its log
-LOG_WRITE_FAILED = 256
 # this file, read once: checkpoints carry it (evals/ build their model from it), and its path
 SOURCE = Path(__file__).read_bytes()
 SOURCE_SHA256 = hashlib.sha256(SOURCE).hexdigest()
 SCRIPT = os.path.realpath(__file__)
 
-def grace_seconds():
-    """How long torchrun gives its workers after a stop signal before it kills them: what run.sh
-    or the user set, read by torch 2.12 and later; 30 s before."""
-    if tuple(map(int, re.findall(r"\d+", torch.__version__)[:2])) < (2, 12):
-        return 30.0
-    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
+class Stopped(BaseException):
+    """A stop signal with nothing to save (before the first step has ended, or after the last),
+    raised at once, whatever the process is doing (compiling, say). Not an Exception: nothing on
+    the way catches it."""
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+def stopped_before_steps(signum, args):
+    """The last line of a run stopped before its first step ended."""
+    kept = f"; {args.resume} is as it was" if args.resume else ""
+    return (f"stopped by {signal.Signals(signum).name} before the first step ended: nothing to "
+            f"save{kept}")
 
 class CleanStop(contextlib.AbstractContextManager):
-    """A stop signal (SIGTERM, SIGINT, SIGHUP) in train(), or rank 0's log failing, sets a flag.
-    Every STOP_CHECK_EVERY steps the ranks all-reduce it on a CPU group and read the result at the
-    next exchange: no host wait, no device sync, and all ranks stop after the same step. With
-    several processes, a thread woken by the signal calls stuck(signal) if the run has not ended 5 s
-    before torchrun's grace period does (the main thread waits for a process that does not answer,
-    say): its stop line comes before torchrun's kill."""
-    def __init__(self, world_size, log, stuck=None):
-        self.log = log
+    """SIGTERM, SIGINT, and SIGHUP unless ignored (under nohup). With nothing to save (at_once), a
+    signal raises Stopped. While steps run, it sets a flag instead: every STOP_CHECK_EVERY steps
+    the ranks all-reduce it on a CPU group (agree_on) and read the result at the next exchange, with
+    no host wait and no device sync, and all ranks stop after the same step."""
+    def __init__(self):
         self.received = 0
+        self.at_once = True
         self.pending = (torch.tensor(0), None)
         self.group = None
-        self.ended = threading.Event()
-        if world_size > 1:
-            self.group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-        # SIGHUP (a closed ssh session) where it exists, unless ignored: under nohup it is harmless
         signums = [signal.SIGTERM, signal.SIGINT]
         hangup = getattr(signal, "SIGHUP", None)
         if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
             signums.append(hangup)
         self.previous = {signum: signal.signal(signum, self._on_signal) for signum in signums}
-        self.wakeup = None
-        if stuck is not None and world_size > 1:
-            # the signal's number, written to the pipe whatever the main thread is doing
-            read_end, self.write_end = os.pipe()
-            os.set_blocking(self.write_end, False)
-            self.wakeup = signal.set_wakeup_fd(self.write_end, warn_on_full_buffer=False)
-            watch = threading.Thread(target=self._watch, args=(read_end, signums, stuck))
-            watch.daemon = True
-            watch.start()
 
     def _on_signal(self, signum, frame):
         if not self.received:
             self.received = signum
+        if self.at_once:
+            raise Stopped(signum)
 
-    def _watch(self, read_end, signums, stuck):
-        signum = None
-        with os.fdopen(read_end, "rb", buffering=0) as wakeups:
-            while signum not in signums:
-                byte = wakeups.read(1)
-                # the run has ended: its end of the pipe is closed
-                if not byte:
-                    return
-                signum = byte[0]
-        if not self.ended.wait(max(1.0, grace_seconds() - 5)):
-            stuck(signum)
+    def agree_on(self, world_size):
+        """The CPU group on which the ranks agree, made by every rank."""
+        if world_size > 1:
+            self.group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
     def __exit__(self, kind, error, traceback):
-        self.ended.set()
-        if self.wakeup is not None:
-            signal.set_wakeup_fd(self.wakeup)
-            os.close(self.write_end)
-        # a failing rank keeps this handler while it writes its last lines: torchrun SIGTERMs all
+        # a failing rank keeps a flag-setting handler while it writes its last lines: torchrun
+        # SIGTERMs all
+        self.at_once = False
         if error is not None and self.group is not None:
             return
         # a pending all-reduce ends with its group: every rank launched it
@@ -1743,8 +1649,6 @@ class CleanStop(contextlib.AbstractContextManager):
 
     def agreed(self, step):
         """The signal that all ranks stop on after this step, or 0; called at every step on all."""
-        if self.log.failure and not self.received:
-            self.received = LOG_WRITE_FAILED
         if self.group is None:
             return self.received
         if step % STOP_CHECK_EVERY:
@@ -1772,13 +1676,13 @@ def resume_command(path, world_size):
             f"rendezvous options) on every node, with {script_and_options}; only this node has "
             "the checkpoint: copy it to the same path on the others")
 
-def train_shards(args, files=None, facts=None):
-    """The train shards' name:tokens (none if "synthetic"): of the files given, with their facts at
+def train_shards(args, files=None, sizes=None):
+    """The train shards' name:tokens (none if "synthetic"): of the files given, with their sizes at
     start-up (by path), or of those the glob matches now."""
     if args.train_files == "synthetic":
         return []
     files = sorted(glob.glob(args.train_files)) if files is None else files
-    counts = [(facts[path] if facts else shard_facts(path))[0] for path in files]
+    counts = [sizes[path] if sizes else read_shard_header(path) for path in files]
     return [f"{os.path.basename(path)}:{n}" for path, n in zip(files, counts)]
 
 # the rules of options that name files or folders
@@ -1820,6 +1724,9 @@ def load_checkpoint(argv, path):
         raise UserError(f"{where} was written by {writer}, not by this script, {this_script}: "
                         "resume with the script that wrote it, or pass --accept_other_script true "
                         "to go on with this one (the log records it)")
+    if checkpoint["step"] > args.num_iterations:
+        raise UserError(f"{where} is at step {checkpoint['step']}, past its --num_iterations "
+                        f"{args.num_iterations}: there is no step to go on to")
     options = asdict(args)
     changed = [name for name in options if options[name] != saved.get(name)
                and name not in ("resume", "accept_other_script")]
@@ -1834,12 +1741,21 @@ def load_checkpoint(argv, path):
     if refused:
         raise UserError(f"--resume {path!r}: {', '.join(refused)} would change the model, the data "
                         "position or the schedules: leave these options as the checkpoint has them")
+    if "optimizers" not in checkpoint:
+        raise UserError(f"{where} was written by an older version of this trainer (its optimiser "
+                        "states are in another format): resume it with the script that wrote it")
     note = f"resumed from {path} at step {checkpoint['step']}"
     # the run that wrote it, wherever the checkpoint was copied: a resumed run counts once
     if "run_id" in checkpoint:
         note += f" of run {checkpoint['run_id']}"
+    if checkpoint["step"] == args.num_iterations:
+        note += ", its last step: nothing to train, its val loss again"
     if other_script:
         note += f", written by {writer}: another script, accepted (--accept_other_script)"
+        # a fork's own options, which this script has no field for
+        lacking = [f"--{name} {value!r}" for name, value in saved.items() if name not in options]
+        if lacking:
+            note += f"; its options this script lacks, not applied: {', '.join(lacking)}"
     if changed:
         changes = ", ".join(f"--{n} {saved.get(n)!r} -> {getattr(args, n)!r}" for n in changed)
         note += f"; options changed: {changes}"
@@ -1849,23 +1765,23 @@ def load_checkpoint(argv, path):
     taken_over = [f"--{n} {getattr(args, n)!r}" for n in paths if options[n] != getattr(given, n)]
     return args, dict(checkpoint, note=note, taken_over=taken_over)
 
-def optimizer_states(checkpoint, model, optimizers):
-    """The checkpoint's state of each optimiser, in torch's format; from a checkpoint of the earlier
-    format too (Adam's state, and Muon's momenta by parameter name)."""
-    if "optimizers" in checkpoint:
-        return checkpoint.pop("optimizers")
-    adam, muon = optimizers
-    names = {p: name for name, p in model.named_parameters()}
-    matrices = [p for group in muon.param_groups for p in group["params"]]
-    momenta = checkpoint.pop("muon")
-    state = {i: dict(momentum_buffer=momenta[names[p]]) for i, p in enumerate(matrices)}
-    groups = torch.optim.Optimizer.state_dict(muon)["param_groups"]
-    return [checkpoint.pop("adam"), dict(state=state, param_groups=groups)]
-
-def tensor_bytes(state):
-    """A nested state's tensor bytes, each storage once: torch.save's size, less a few KiB."""
-    storages = [t.untyped_storage() for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
-    return sum({storage.data_ptr(): storage.nbytes() for storage in storages}.values())
+def load_weights(model, weights, where):
+    """A checkpoint's weights into the model; weights that do not fit are one line naming the first
+    parameter that differs, and how."""
+    ours = model.state_dict()
+    for name in [*ours, *weights]:
+        if name not in weights:
+            problem = f"it has no {name}"
+        elif name not in ours:
+            problem = f"it has {name}, which this model has not"
+        elif weights[name].shape != ours[name].shape:
+            problem = (f"{name} is {list(weights[name].shape)} in it, "
+                       f"{list(ours[name].shape)} in this model")
+        else:
+            continue
+        raise UserError(f"{where}: its weights do not fit this model ({problem}): resume with the "
+                        "script and options that wrote it")
+    model.load_state_dict(weights)
 
 def load_hellaswag(args):
     """With --hellaswag, evals/hellaswag.py's scorer, the examples read and tokenised now: evals/
@@ -1886,63 +1802,78 @@ def load_hellaswag(args):
 Due = collections.namedtuple("Due", "checkpoint validation end")
 
 class Run(contextlib.AbstractContextManager):
-    """What keeps a run safe, for train(). Entered: the checks and set-up before step 1 (device,
-    batch, data, compile cache, process group, log, stop signals); then what each step does
-    before training (due), the log's lines and clock, checkpoints (after a data fault too), and
-    the last line."""
-    def __init__(self, args, checkpoint=None):
+    """What keeps a run safe, for train(). Entered: stop signals, then the checks and set-up before
+    step 1 (batch, data, compile cache, process group, log); then what each step does before
+    training (due), the log's lines and clock, checkpoints, and the last line."""
+    def __init__(self, args, checkpoint=None, stop=None):
         self.args = args
         self.checkpoint = checkpoint
+        self.stop = stop
         self.rank, self.world_size, self.device = setup_device()
         if self.device.type == "cpu":
             keep_freed_memory()
         self.master = self.rank == 0
         self.compiled = switched_on(args.compile, self.device)
-        # each shard's facts at start-up, by path; the CPU group on which the ranks agree
-        self.facts = {}
-        self.group = None
-        # the step under way (due() sets it); the last checkpoint's step and rank 0's path of it
+        # each shard's token count, by path, read from its header at start-up
+        self.sizes = {}
+        # the step under way (due() sets it); the step of a checkpoint that could not be written
         self.step = None
-        self.saved_step = None
-        self.saved = None
+        self.unsaved_step = None
+        self.failure = None
         self.stopping = False
         self.stop_signal = 0
 
     def __enter__(self):
         args = self.args
-        self.hellaswag = load_hellaswag(args)
-        check_batch_plan(args, self.world_size)
-        micro_batch, _, val_batch = micro_batch_plan(args, self.world_size)
-        hint = fetch_hint(args.num_iterations, args.batch_size)
-        self.train_loader = self.loader("train", args.num_iterations * args.batch_size + 2, hint)
-        self.val_loader = self.loader("val", args.val_tokens + 2, hint)
-        loaders = (self.train_loader, self.val_loader)
-        sizes = {path: facts[0] for path, facts in self.facts.items()}
-        passes = check_data(args, *(loader.files for loader in loaders), sizes, val_batch, hint)
-        self.stamp = compile_cache_stamp(args, self.world_size, self.device)
-        if self.compiled and args.compile_tuning:
-            # not in record 18: on an H100, a first compile of 514 s instead of 120 s, for 0.5% faster
-            from torch._inductor import config as inductor_config
-            inductor_config.coordinate_descent_tuning = True
-        notes = []
-        if args.compile_cache:
-            cache_note = load_compile_cache(args.compile_cache, self.stamp, self.compiled)
-            notes.append(f"compile cache {args.compile_cache}: {cache_note}")
-        if self.checkpoint and self.checkpoint["taken_over"]:
-            notes.append(f"from the checkpoint: {', '.join(self.checkpoint['taken_over'])}")
-        if self.world_size > 1:
-            start_process_group(self.device)
         with contextlib.ExitStack() as stack:
+            # first: a stop during the set-up or the first step's compile ends the run at once
+            if self.stop is None:
+                self.stop = stack.enter_context(CleanStop())
+            self.hellaswag = load_hellaswag(args)
+            check_batch_plan(args, self.world_size)
+            micro_batch, _, val_batch = micro_batch_plan(args, self.world_size)
+            hint = fetch_hint(args.num_iterations, args.batch_size)
+            self.train_loader = self.loader("train", args.num_iterations * args.batch_size + 2, hint)
+            self.val_loader = self.loader("val", args.val_tokens + 2, hint)
+            loaders = (self.train_loader, self.val_loader)
+            passes = check_data(args, *(loader.files for loader in loaders), self.sizes, val_batch,
+                                hint)
+            self.stamp = compile_cache_stamp(args, self.world_size, self.device)
+            if self.compiled and args.compile_tuning:
+                # not in record 18: on an H100, a first compile of 514 s, not 120 s, for 0.5% faster
+                from torch._inductor import config as inductor_config
+                inductor_config.coordinate_descent_tuning = True
+            notes = []
+            if args.compile_cache:
+                cache_note = load_compile_cache(args.compile_cache, self.stamp, self.compiled)
+                notes.append(f"compile cache {args.compile_cache}: {cache_note}")
+            if self.checkpoint and self.checkpoint["taken_over"]:
+                notes.append(f"from the checkpoint: {', '.join(self.checkpoint['taken_over'])}")
+            if self.world_size > 1:
+                start_process_group(self.device)
+            self.stop.agree_on(self.world_size)
             self.log = stack.enter_context(RunLog(args, self.master, self.hellaswag))
             stack.enter_context(out_of_memory_as_error(micro_batch))
-            self.stop = stack.enter_context(CleanStop(self.world_size, self.log, self.stuck))
-            self.group = self.stop.group
             self.log.header(args, self.world_size, self.device, loaders, passes, notes)
             self.exits = stack.pop_all()
         return self
 
     def __exit__(self, kind, error, trace):
-        if error is None and (self.stopping or self.log.failure):
+        if isinstance(error, Exception) and self.stop.received:
+            # what a stop signal broke on its way (the compile workers it ends too) is the stop
+            self.log("".join(traceback.format_exception(kind, error, trace)).rstrip(),
+                     console=False)
+            self.stopping, self.stop_signal = True, self.stop.received
+            self.log_stop(during=True)
+            return self.exits.__exit__(None, None, None) or True
+        if timed_out(error, self.world_size):
+            waited = COLLECTIVE_TIMEOUT.total_seconds()
+            error = UserError(f"another process of the run stopped answering: a collective waited "
+                              f"{waited:.0f} s for it during step {self.step}; "
+                              f"{self.how_to_go_on(during=True)}")
+            self.exits.__exit__(UserError, error, None)
+            raise error
+        if error is None and (self.stopping or self.failure):
             self.log_stop()
         suppressed = self.exits.__exit__(kind, error, trace)
         if error is None and self.world_size > 1:
@@ -1952,42 +1883,20 @@ class Run(contextlib.AbstractContextManager):
 
     def loader(self, split, num_tokens, hint):
         """A split's loader, every shard's header checked now (a bad shard fails at start-up, not
-        hours in), each one it opens checked again (read_shard); the val shards all loaded now."""
+        hours in), the ids of each one it opens checked (read_shard); the val shards all now."""
         pattern = prepare_shards(self.args, split, num_tokens)
         files = shard_files(pattern, hint)
-        self.facts.update((path, shard_facts(path)) for path in files)
+        self.sizes.update((path, read_shard_header(path)) for path in files)
         loader = DistributedDataLoader(pattern, self.rank, self.world_size, self.device,
                                        read_shard=self.read_shard)
         # the first is loaded and checked already; val shards are few
         for path in files[1:] if split == "val" else []:
-            check_vocabulary(path, load_data_shard(path), self.args.vocab_size)
+            self.read_shard(path)
         return loader
 
     def read_shard(self, path):
-        """A shard's tokens, checked against its facts at start-up: one gone, unreadable or changed
-        ends the run on every rank (they agree on the CPU group, without waiting for the device),
-        after the step's checkpoint where checkpoints are on."""
-        failure = ""
-        try:
-            shard_facts(path, self.facts.get(path))
-            tokens = load_data_shard(path)
-            check_vocabulary(path, tokens, self.args.vocab_size)
-        except UserError as e:
-            failure = str(e)
-        if self.group is not None:
-            failed = torch.tensor(len(failure))
-            dist.all_reduce(failed, dist.ReduceOp.MAX, group=self.group)
-            if failed.item() and not failure:
-                failure = f"{path}: another process of the run could not read it again"
-        checkpoints = self.args.save_checkpoint or self.args.checkpoint_every > 0
-        if failure and self.step is not None and checkpoints:
-            if self.saved_step != self.step:
-                self.save_checkpoint(self.step)
-            if self.saved or not self.master:
-                resume = resume_command(self.checkpoint_path(self.step), self.world_size)
-                failure = f"{failure}, then: {resume}"
-        if failure:
-            raise UserError(failure)
+        tokens = load_data_shard(path)
+        check_vocabulary(path, tokens, self.args.vocab_size)
         return tokens
 
     def resume(self, model, optimizers):
@@ -2000,17 +1909,17 @@ class Run(contextlib.AbstractContextManager):
         timing = (0.0, 0)
         checkpoint = self.checkpoint
         if checkpoint is not None:
+            where = f"--resume {self.args.resume!r}"
+            load_weights(model, checkpoint.pop("model"), where)
             try:
-                model.load_state_dict(checkpoint.pop("model"))
-                states = optimizer_states(checkpoint, model, optimizers)
-                for optimizer, state in zip(optimizers, states):
+                for optimizer, state in zip(optimizers, checkpoint.pop("optimizers")):
                     # the checkpoint's state, this run's settings (its learning rates, ...)
                     settings = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]
                     optimizer.load_state_dict(dict(state, param_groups=settings))
             except (RuntimeError, ValueError, KeyError, IndexError) as e:
-                raise UserError(f"--resume {self.args.resume!r}: its weights and optimiser states "
-                                f"do not fit this model ({' '.join(str(e).split())[:300]}): "
-                                "resume with the script and options that wrote it") from None
+                raise UserError(f"{where}: its optimiser states do not fit this model "
+                                f"({' '.join(str(e).split())[:300]}): resume with the script and "
+                                "options that wrote it") from None
             self.train_loader.reset(*checkpoint["loader"])
             self.log(checkpoint["note"])
             self.start = checkpoint["step"]
@@ -2051,7 +1960,6 @@ class Run(contextlib.AbstractContextManager):
         self.write_train_losses(wait=True)
         self.clock.pause()
         optimizer_states = [optimizer.state_dict() for optimizer in self.optimizers]
-        self.saved_step = step
         if not self.master:
             return
         started = time.perf_counter()
@@ -2063,19 +1971,19 @@ class Run(contextlib.AbstractContextManager):
                      loader=(loader.shard, loader.pos), timing=timing, args=asdict(self.args),
                      source=SOURCE, source_sha256=SOURCE_SHA256, script=SCRIPT,
                      run_id=self.log.run_id,
-                     train_shards=train_shards(self.args, loader.files, self.facts))
+                     train_shards=train_shards(self.args, loader.files, self.sizes))
         path = self.checkpoint_path(step)
-        self.saved = None
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             # through a file object: a failed write's OSError is kept (in torch's RuntimeError)
             with atomic_write(path) as tmp, open(tmp, "wb") as f:
                 torch.save(state, f)
         except (OSError, RuntimeError) as e:
-            return self.unsaved(step, state, e)
-        self.saved = path
+            return self.unsaved(step, e)
         log = self.log
         log.checkpoints.append((step, path))
+        log.resume_hint = (f"the last checkpoint stays: resume with: "
+                           f"{resume_command(path, self.world_size)}")
         # the last two this run wrote are kept: the older ones of its own, and no other file, go
         while len(log.checkpoints) > 2:
             with contextlib.suppress(FileNotFoundError):
@@ -2083,28 +1991,23 @@ class Run(contextlib.AbstractContextManager):
         seconds = time.perf_counter() - started
         log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
 
-    def unsaved(self, step, state, error):
-        """The warning for a checkpoint that could not be written, with the space it needs; the
-        final one's is the run's failure. An error that is not the disk's is raised again."""
+    def unsaved(self, step, error):
+        """The warning for a checkpoint that could not be written; the final one's is the run's
+        failure. An error that is not the disk's is raised again."""
         cause = error
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__cause__ or cause.__context__
         if cause is None:
             raise error
-        log = self.log
-        log.unsaved_step = step
-        free = "? MiB are"
-        with contextlib.suppress(OSError):
-            free = f"{shutil.disk_usage(self.args.log_dir).free / 2 ** 20:.1f} MiB are"
+        self.unsaved_step = step
         kept = "there is no earlier one"
-        if log.checkpoints:
-            kept = f"the last one, {log.checkpoints[-1][1]}, stays"
+        if self.log.checkpoints:
+            kept = f"the last one, {self.log.checkpoints[-1][1]}, stays"
         reason = cause.strerror or str(cause)
-        log(f"warning: the checkpoint of step {step} could not be written ({reason}: it needs "
-            f"{tensor_bytes(state) / 2 ** 20:.1f} MiB, {free} free in {self.args.log_dir}); "
-            f"{kept}", console=sys.stderr)
+        self.log(f"warning: the checkpoint of step {step} could not be written ({reason}: free "
+                 f"some space in {self.args.log_dir}); {kept}", console=sys.stderr)
         if self.args.save_checkpoint and step == self.args.num_iterations:
-            log.failure = f"the final checkpoint could not be written ({reason})"
+            self.failure = f"the final checkpoint could not be written ({reason})"
 
     def log_val_loss(self, step, val_loss):
         self.write_train_losses(wait=True)
@@ -2129,11 +2032,13 @@ class Run(contextlib.AbstractContextManager):
             event.record()
         self.pending.append((step, train_time_ms, event))
         self.write_train_losses(wait=False)
-        # all has compiled now: evaluation at step 0, the model and the optimisers in step 1
+        # all has compiled now: evaluation at step 0, the model and the optimisers in step 1; from
+        # here a stop waits for the end of a step, and a checkpoint
         if step == self.start:
             synchronize(self.device)
             self.write_train_losses(wait=True)
             self.log(startup_report(self.args, self.compiled, self.stamp, self.master, step + 1))
+            self.stop.at_once = False
 
     def write_train_losses(self, wait):
         """The step lines whose losses have arrived, in order; all, when wait (the host waits)."""
@@ -2153,54 +2058,58 @@ class Run(contextlib.AbstractContextManager):
                      f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
 
     def finish(self, model):
-        """The peak memory line; then, with --hellaswag, its scores (a stop signal may end them)."""
+        """The peak memory line; then, with --hellaswag, its scores, which a stop signal ends at
+        once (its compile too: there is nothing to save)."""
         self.write_train_losses(wait=True)
         self.log(f"peak memory consumption: {peak_memory_mib(self.device)} MiB")
-        if self.hellaswag and not self.stopping:
+        if not self.hellaswag or self.stopping:
+            return
+        self.stop.at_once = True
+        try:
+            if self.stop.received:
+                raise Stopped(self.stop.received)
             scores = self.hellaswag.score(model, self.args, self.log, self.stop)
             self.stopping, self.stop_signal = scores
+        except Stopped as stopped:
+            self.stopping, self.stop_signal = True, stopped.signum
+        self.stop.at_once = False
+
+    def how_to_go_on(self, during=False):
+        """From which checkpoint, with which command, a stopped run goes on."""
+        if not self.master:
+            return "rank 0's log names its last checkpoint"
+        if not self.log.checkpoints:
+            return "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
+        last_step, last = self.log.checkpoints[-1]
+        how = f"resume with: {resume_command(last, self.world_size)}"
+        if during or last_step != self.step:
+            how = f"from step {last_step}, {how}"
+        return how
 
     def log_stop(self, during=False):
-        """The last line of the log and of stderr: which signal stopped the run, or the log's
-        failure, after (or during, when it did not end in time) which step, and how to go on."""
-        log = self.log
-        if not self.master:
-            return
-        how = "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
-        if log.checkpoints:
-            last_step, last = log.checkpoints[-1]
-            how = f"resume with: {resume_command(last, self.world_size)}"
-            if during or last_step != self.step:
-                how = f"from step {last_step}, {how}"
-        if log.unsaved_step == self.step and not during:
+        """The last line of the log and of stderr: which signal stopped the run, or the final
+        checkpoint's failure, after (or during) which step, and how to go on."""
+        how = self.how_to_go_on(during)
+        if self.unsaved_step == self.step and not during:
             how = f"its checkpoint could not be written (see the warning above): {how}"
-            if not log.checkpoints:
+            if not self.log.checkpoints:
                 how = ("its checkpoint could not be written (see the warning above), nor any "
                        "before it")
-        when = f"after step {self.step}"
+        when = f"during step {self.step}" if during else f"after step {self.step}"
         if self.stopping and self.step == self.args.num_iterations:
             when += ", in HellaSwag's scoring (no score)"
-        if during:
-            step = "the set-up" if self.step is None else f"step {self.step}"
-            when = f"during {step}, which did not end within torchrun's grace period"
-        stopped_by = f"error: {log.failure}: stopped"
-        if not log.failure:
+        stopped_by = f"error: {self.failure}: stopped"
+        if not self.failure:
             stopped_by = f"stopped by {signal.Signals(self.stop_signal).name}"
         line = f"{stopped_by} {when}; {how}"
-        log(line, console=sys.stderr)
+        self.log(line, console=sys.stderr)
         tell_launcher(line, self.exit_code)
-
-    def stuck(self, signum):
-        """The stop line of a step that did not end in time (CleanStop's watch), then the exit."""
-        self.stop_signal = signum
-        self.stopping = True
-        self.log_stop(during=True)
-        os._exit(self.exit_code)
 
     @property
     def exit_code(self):
-        """1 when the log failed; after a stop signal, 128 + its number (as if it ended the run)."""
-        if self.log.failure or self.stop_signal == LOG_WRITE_FAILED:
+        """1 when the final checkpoint failed; after a stop signal, 128 + its number (as if it
+        ended the run)."""
+        if self.failure:
             return 1
         return 128 + self.stop_signal if self.stopping else 0
 
@@ -2237,28 +2146,38 @@ def main(argv=None):
     # before anything initialises CUDA: fewer fragmentation stalls as the window grows
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parse_args(argv)
-    try:
-        check_launch_environment()
-        checkpoint = None
-        if args.resume:
-            args, checkpoint = load_checkpoint(argv, args.resume)
-        # every value, before anything is written
-        check_hyperparameters(args)
-        return train(args, checkpoint)
-    except UserError as e:
-        # once a node (local rank 0), so every node's console has it; every_rank: on each rank
-        console = e.every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0
-        last_words(f"error: {e}", console=console)
-        return 1
-    except Exception as e:
-        # its traceback follows; the first line of the message (C++ errors add a stack) for the rest
-        first_line = next(iter(str(e).splitlines()), "")
-        last_words(f"error: unexpected {type(e).__name__}: {first_line} (its traceback is above)",
-                   console=False)
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # once a node (local rank 0), so every node's console has it
+    console = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    # from here a stop signal ends the run with its line, before step 1 at once
+    with CleanStop() as stop:
+        try:
+            check_launch_environment()
+            checkpoint = None
+            if args.resume:
+                args, checkpoint = load_checkpoint(argv, args.resume)
+            # every value, before anything is written
+            check_hyperparameters(args)
+            return train(args, checkpoint, stop)
+        except Stopped as stopped:
+            last_words(stopped_before_steps(stopped.signum, args), console=console)
+            return 128 + stopped.signum
+        except UserError as e:
+            # every_rank: on each rank
+            last_words(f"error: {e}", console=console or e.every_rank)
+            return 1
+        except Exception as e:
+            # what the stop broke on its way (the compile workers it ends too)
+            if stop.received:
+                last_words(stopped_before_steps(stop.received, args), console=console)
+                return 128 + stop.received
+            # its traceback follows; the message's first line (C++ errors add a stack) for the rest
+            first_line = next(iter(str(e).splitlines()), "")
+            last_words(f"error: unexpected {type(e).__name__}: {first_line} (its traceback is "
+                       "above)", console=False)
+            raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,7 +4,6 @@ read. What the tests share is in tests/helpers.py."""
 import contextlib
 import io
 import signal
-import socket
 from pathlib import Path
 
 import helpers
@@ -128,16 +127,14 @@ def no_hang():
 
 @pytest.fixture
 def torchrun_worker(monkeypatch):
-    """Makes this process look like a worker torchrun started, its agent answering on a port of the
-    test's own; with the given variables (RANK=1, say) over those of a 1-process launch."""
-    agent = socket.create_server(("127.0.0.1", 0))
-
+    """Makes this process look like a worker torchrun started: every variable torchrun gives one,
+    those of a 1-process launch with the given ones (RANK=1, say) over them."""
     def launched(**variables):
         torchrun = dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=agent.getsockname()[1],
-                        TORCHELASTIC_RUN_ID="test", TORCHELASTIC_USE_AGENT_STORE="True")
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=29500, GROUP_RANK=0, ROLE_RANK=0,
+                        ROLE_NAME="default", GROUP_WORLD_SIZE=1, ROLE_WORLD_SIZE=1,
+                        TORCHELASTIC_RUN_ID="test", TORCHELASTIC_RESTART_COUNT=0,
+                        TORCHELASTIC_MAX_RESTARTS=0, TORCHELASTIC_USE_AGENT_STORE="True")
         for name, value in dict(torchrun, **variables).items():
             monkeypatch.setenv(name, str(value))
-    yield launched
-    agent.close()
-
+    return launched

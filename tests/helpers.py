@@ -85,7 +85,8 @@ def ranks_of(log_dir):
 
 # torchrun's variables, which a test may set in this process (monkeypatch)
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                    "MASTER_PORT", "GROUP_RANK", "ROLE_RANK")
+                    "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "GROUP_WORLD_SIZE",
+                    "ROLE_WORLD_SIZE")
 LIVE = set()
 
 

@@ -264,11 +264,11 @@ def fork_with_one_more_option(monkeypatch, declared):
 
 
 def saved_checkpoint(path, args):
-    """What load_checkpoint reads of a checkpoint: its options, its train shards, and the digest of
-    the script that wrote it (this one)."""
+    """What load_checkpoint reads of a checkpoint: its options, its train shards, its optimisers'
+    states (none here), and the digest of the script that wrote it (this one)."""
     digest = hashlib.sha256(Path(train_gpt.__file__).read_bytes()).hexdigest()
-    torch.save(dict(args=dataclasses.asdict(args), train_shards=[], step=4, source_sha256=digest),
-               path)
+    torch.save(dict(args=dataclasses.asdict(args), train_shards=[], step=4, optimizers=[],
+                    source_sha256=digest), path)
     return str(path)
 
 

@@ -62,14 +62,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_a_whole_workers_environment_left_in_a_shell_is_refused_when_no_agent_answers(
-        tmp_path, capsys, torchrun_worker):
-    """Every variable torchrun gives a worker (copied from one, say), but no torchrun agent at
-    MASTER_ADDR:MASTER_PORT: a leftover too, refused in seconds, never a wait."""
-    torchrun_worker(WORLD_SIZE=2, MASTER_PORT=free_port())
+def test_a_rank_1_workers_seven_variables_left_in_a_shell_are_one_line_not_a_wait(
+        tmp_path, capsys, monkeypatch):
+    """The seven a script exports from a worker of rank 1 (local rank 1, whose errors a node's
+    console does not show): refused on this process too, in seconds, never a wait for rank 0."""
+    leftovers = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TORCHELASTIC_RUN_ID="x")
+    for name, value in leftovers.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(train_gpt, "start_process_group",
+                        lambda device: pytest.fail("it waits for rank 0"))
     assert train_gpt.main([*TINY_RUN, "--log_dir", str(tmp_path / "logs")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 ")
+    assert err.startswith("error: RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 ")
     assert "but this process was not started by torchrun" in err and err.count("\n") == 1
 
 
@@ -461,58 +466,38 @@ sys.exit(train_gpt.main())
 """
 
 
-def frozen_rank_run(markov_shards, tmp_path, timeout, grace):
-    """torchrun on 2 processes of FROZEN_RANK_WORKER, torchrun's grace period `grace` seconds."""
+def frozen_rank_run(markov_shards, tmp_path, timeout):
+    """torchrun on 2 processes of FROZEN_RANK_WORKER."""
     worker = tmp_path / "worker.py"
     worker.write_text(with_trainer(FROZEN_RANK_WORKER))
     options = tiny(markov_shards, tmp_path / "logs", "--num_iterations", "20",
-                   "--val_loss_every", "0", "--checkpoint_every", "0")
+                   "--val_loss_every", "0", "--checkpoint_every", "1")
     command = torchrun(2, worker, timeout, *options)
-    env = launch_env(OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
+    env = launch_env(OMP_NUM_THREADS="1")
     return started(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                    text=True)
 
 
 @pytest.mark.slow
-def test_a_rank_that_stops_answering_ends_the_run_with_an_error_on_the_others(markov_shards,
-                                                                             tmp_path):
-    """Rank 1 frozen: rank 0 waits in its collective for the timeout (2 s here; minutes in a real
-    run, not half an hour), then ends with its error and its traceback, in its log too. (torchrun
-    then takes 30 s to kill the frozen rank: not waited for here.)"""
-    with frozen_rank_run(markov_shards, tmp_path, timeout=2, grace=2) as proc:
+def test_a_rank_that_stops_answering_ends_the_run_with_a_line_naming_the_last_checkpoint(
+        markov_shards, tmp_path):
+    """Rank 1 frozen in step 2: rank 0 waits in its collective for the timeout (2 s here; minutes
+    in a real run, not half an hour), then ends with one line, in its log too, that names the
+    last checkpoint, step 1's, and the command that goes on from it. (torchrun then takes 30 s to
+    kill the frozen rank: not waited for here.)"""
+    with frozen_rank_run(markov_shards, tmp_path, timeout=2) as proc:
         for line in proc.stdout:
             if line.startswith("step:2/20 train_loss:"):
                 break
         began = time.monotonic()
         for line in proc.stderr:
-            if line.startswith("[rank0]: RuntimeError: "):
+            if "stopped answering" in line:
                 break
         waited = time.monotonic() - began
-    assert "imed out" in line and waited < 30, (line, waited)
+    checkpoint = next((tmp_path / "logs").glob("*/state_step000001.pt"))
+    assert line.startswith("error: another process of the run stopped answering: a "
+                           "collective waited 2 s for it during step 2; from step 1, resume with: "
+                           "torchrun --standalone --nproc_per_node=2 "), line
+    assert line.rstrip().endswith(f" --resume {checkpoint}") and waited < 30, (line, waited)
     last = finished_log(tmp_path / "logs").read_text().splitlines()[-1]
-    assert last.startswith("RuntimeError: ") and "imed out" in last, last
-
-
-@pytest.mark.slow
-def test_a_stop_while_a_rank_is_frozen_writes_its_stop_line_before_the_grace_period_ends(
-        markov_shards, tmp_path):
-    """Rank 1 frozen, rank 0 waiting in its collective (for minutes): SIGTERM to torchrun, whose
-    grace period is 6 s here. Rank 0 writes its stop line within it, naming the step that did not
-    end, and leaves with 128 + SIGTERM."""
-    with frozen_rank_run(markov_shards, tmp_path, timeout=300, grace=6) as proc:
-        for line in proc.stdout:
-            if line.startswith("step:1/20 train_loss:"):
-                break
-        # rank 0 is in step 2's collective by now
-        time.sleep(2)
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        for line in proc.stderr:
-            if line.startswith("stopped by "):
-                break
-        waited = time.monotonic() - signalled
-    last = finished_log(tmp_path / "logs").read_text().splitlines()[-1]
-    assert last == ("stopped by SIGTERM during step 2, which did not end within torchrun's grace "
-                    "period; no checkpoint was written (--checkpoint_every N or --save_checkpoint "
-                    "true write one)")
-    assert line.strip() == last and waited < 6, waited
+    assert last == line.rstrip()

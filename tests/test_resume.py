@@ -6,6 +6,8 @@ import os
 import re
 import shlex
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,9 @@ from helpers import TRAINER
 from helpers import finished_log
 from helpers import launch_env
 from helpers import made_once
+from helpers import ranks_of
 from helpers import run_process
+from helpers import started
 from helpers import step_lines
 from helpers import tiny
 from helpers import torchrun
@@ -235,23 +239,21 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
     assert losses[8] < expected[4] - 0.5
 
 
-def test_a_checkpoint_of_the_format_before_resumes_to_identical_losses(reference, tmp_path):
-    """The step-4 checkpoint written as the trainer wrote them before Muon had a state_dict: Adam's
-    state under "adam", Muon's momenta by parameter name under "muon"; resumed, the run ends with
-    the losses of the run not interrupted."""
-    expected, checkpoints = reference
-    state = torch.load(checkpoints[0], weights_only=True)
+def test_a_checkpoint_of_this_trainers_older_format_is_one_line(reference, tmp_path, capsys):
+    """The step-4 checkpoint as the trainer wrote them before Muon had a state_dict (Adam's state
+    under "adam", Muon's momenta by name under "muon"), accepted as another script's: refused in
+    one line that says which script resumes it, nothing written."""
+    state = torch.load(reference[1][0], weights_only=True)
     adam, muon = state.pop("optimizers")
-    with torch.device("meta"):
-        model = train_gpt.GPT(50304, 6, 1, 16)
-    # Muon's matrices in its order: the block matrices grouped by (sorted) shape, largest first
-    names = [name for name, p in model.blocks.named_parameters(prefix="blocks") if p.ndim == 2]
-    shapes = {name: tuple(sorted(p.shape)) for name, p in model.named_parameters()}
-    order = sorted(names, key=lambda name: (-shapes[name][0] * shapes[name][1], shapes[name]))
-    momenta = {name: muon["state"][i]["momentum_buffer"] for i, name in enumerate(order)}
-    torch.save(dict(state, adam=adam, muon=momenta), tmp_path / "before.pt")
-    losses = resumed_losses(tmp_path / "before.pt", tmp_path / "resumed")
-    assert losses == {step: loss for step, loss in expected.items() if step >= 4}
+    torch.save(dict(state, adam=adam, muon={}, source_sha256="0" * 64), tmp_path / "before.pt")
+    argv = ["--resume", str(tmp_path / "before.pt"), "--accept_other_script", "true",
+            "--log_dir", str(tmp_path / "logs")]
+    assert train_gpt.main(argv) == 1
+    assert capsys.readouterr().err == (
+        f"error: --resume {str(tmp_path / 'before.pt')!r} was written by an older version of this "
+        "trainer (its optimiser states are in another format): resume it with the script that "
+        "wrote it\n")
+    assert not (tmp_path / "logs").exists()
 
 
 def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_accepted(
@@ -263,7 +265,10 @@ def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_acce
     state = torch.load(checkpoints[-1], weights_only=True)
     assert state["step"] == 8 and state["source_sha256"] == SOURCE_SHA256
     forked = tmp_path / "forked.pt"
-    torch.save(dict(state, source_sha256="0" * 64, script="/elsewhere/my_attempt.py"), forked)
+    # the fork's own option, which this script has no field for
+    fork_args = dict(state["args"], mlp_ratio=8)
+    torch.save(dict(state, args=fork_args, source_sha256="0" * 64,
+                    script="/elsewhere/my_attempt.py"), forked)
     argv = ["--resume", str(forked), "--log_dir", str(tmp_path / "logs"), "--val_loss_every", "4"]
     assert train_gpt.main(argv) == 1
     err = capsys.readouterr().err
@@ -277,8 +282,10 @@ def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_acce
     lines = log.read_text().splitlines()
     # the run that wrote it named by its id, its log's and checkpoint folder's name
     run_id = checkpoints[-1].parent.name
-    assert (f"resumed from {forked} at step 8 of run {run_id}, written by my_attempt.py (sha256 000000000000): "
-            "another script, accepted (--accept_other_script); options changed: "
+    assert (f"resumed from {forked} at step 8 of run {run_id}, its last step: nothing to train, "
+            "its val loss again, written by my_attempt.py (sha256 000000000000): "
+            "another script, accepted (--accept_other_script); its options this script lacks, "
+            "not applied: --mlp_ratio 8; options changed: "
             "--val_loss_every 2 -> 4, "
             f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines)
     train, val = state["args"]["train_files"], state["args"]["val_files"]
@@ -297,9 +304,9 @@ def test_weights_that_do_not_fit_the_model_are_one_line(reference, tmp_path, cap
     argv = ["--resume", str(tmp_path / "wide.pt"), "--log_dir", str(tmp_path / "logs")]
     assert train_gpt.main(argv) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --resume {str(tmp_path / 'wide.pt')!r}: its weights and "
-                          "optimiser states do not fit this model (") and err.count("\n") == 1
-    assert "size mismatch for blocks.0.mlp.fc.weight" in err and "Traceback" not in err
+    assert err == (f"error: --resume {str(tmp_path / 'wide.pt')!r}: its weights do not fit this "
+                   "model (blocks.0.mlp.fc.weight is [128, 16] in it, [64, 16] in this model): "
+                   "resume with the script and options that wrote it\n")
 
 
 def flipped_byte(path, tmp_path):
@@ -412,13 +419,84 @@ def test_a_resumed_runs_first_step_is_untimed_and_its_line_says_so(markov_shards
     assert lines[0].endswith(" step_avg:nanms") and not lines[1].endswith(" step_avg:nanms")
 
 
+def test_a_checkpoint_past_the_runs_last_step_is_one_line(tmp_path):
+    saved = train_gpt.Hyperparameters(train_files="synthetic", num_iterations=4)
+    path = tmp_path / "state.pt"
+    torch.save(dict(args=train_gpt.asdict(saved), train_shards=[], step=5, optimizers=[],
+                    source_sha256=train_gpt.SOURCE_SHA256), path)
+    with pytest.raises(train_gpt.UserError, match=r"is at step 5, past its --num_iterations 4: "):
+        train_gpt.load_checkpoint(["--resume", str(path)], str(path))
+
+
 def test_another_seed_is_refused_where_it_draws_the_train_stream(tmp_path):
     saved = train_gpt.Hyperparameters(train_files="synthetic", val_files="synthetic", seed=0)
     path = tmp_path / "state.pt"
-    torch.save(dict(args=train_gpt.asdict(saved), train_shards=[], step=2,
+    torch.save(dict(args=train_gpt.asdict(saved), train_shards=[], step=2, optimizers=[],
                     source_sha256=train_gpt.SOURCE_SHA256), path)
     with pytest.raises(train_gpt.UserError, match=r"--seed 0 -> 5 \(the synthetic train stream\)"):
         train_gpt.load_checkpoint(["--resume", str(path), "--seed", "5"], str(path))
     # the same seed: taken
     args, _ = train_gpt.load_checkpoint(["--resume", str(path)], str(path))
     assert args.seed == 0
+
+
+# --- a stop before step 1: nothing to save, so no wait for the first step's compile --------------
+
+def a_compile_that_never_ends(signum):
+    """evaluate() at step 0 as a compile that takes minutes: it receives `signum` as it starts."""
+    def compiling(*args, **kwargs):
+        signal.raise_signal(signum)
+        time.sleep(30)
+    return compiling
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_before_step_one_ends_at_once_with_its_line(markov_shards, tmp_path, capsys,
+                                                          monkeypatch, signum):
+    monkeypatch.setattr(train_gpt, "evaluate", a_compile_that_never_ends(signum))
+    started = time.monotonic()
+    assert train_gpt.main(tiny(markov_shards, tmp_path / "logs")) == 128 + signum
+    assert time.monotonic() - started < 15
+    line = (f"stopped by {signal.Signals(signum).name} before the first step ended: nothing to "
+            "save")
+    assert capsys.readouterr().err == f"{line}\n"
+    assert finished_log(tmp_path / "logs").read_text().splitlines()[-1] == line
+
+
+# each rank's first step as a compile that takes minutes: rank.RANK written as it starts
+SLOW_FIRST_STEP = """import os
+import time
+from pathlib import Path
+import train_gpt
+def compiling(*args, **kwargs):
+    Path(os.environ["READY"], "rank." + os.environ["RANK"]).touch()
+    time.sleep(60)
+train_gpt.evaluate = compiling
+helpers.exit_as_a_rank(train_gpt.main(sys.argv[1:]))
+"""
+
+
+def test_a_stop_before_step_one_under_torchrun_ends_every_rank_in_seconds(markov_shards, tmp_path):
+    """SIGTERM to torchrun while both ranks compile their first step: both end in seconds with
+    128 + SIGTERM (torchrun's report), rank 0's log with the stop line, no error line."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(with_trainer(SLOW_FIRST_STEP))
+    launch = torchrun(2, "--log-dir", tmp_path / "ranks", "--redirects", "3", worker,
+                      *tiny(markov_shards, tmp_path / "logs"))
+    env = launch_env(OMP_NUM_THREADS="1", READY=str(tmp_path))
+    with started(launch, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True) as proc:
+        while len(list(tmp_path.glob("rank.*"))) < 2:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        waited = time.monotonic() - signalled
+    line = "stopped by SIGTERM before the first step ended: nothing to save"
+    assert waited < 20, waited
+    ranks = ranks_of(tmp_path / "ranks")
+    assert [rank["code"] for rank in ranks] == [128 + signal.SIGTERM] * 2
+    assert [rank["last_line"] for rank in ranks] == [line, line]
+    assert finished_log(tmp_path / "logs").read_text().splitlines()[-1] == line
+    assert "error: " not in stderr

@@ -59,4 +59,4 @@ def test_a_train_shard_of_the_val_shards_size_but_other_tokens_is_used(tmp_path,
                                  "--val_files", str(tmp_path / "big_val_*.bin")])
     with train_gpt.Run(args) as run:
         assert len(run.train_loader.files) == 3
-        assert run.facts[run.train_loader.files[2]][0] == len(tokens)
+        assert run.sizes[run.train_loader.files[2]] == len(tokens)
