@@ -808,18 +808,15 @@ import argparse
 import collections
 import ctypes
 import datetime
-import errno
 import filecmp
+import functools
 import hashlib
-import importlib.metadata
 import itertools
 import json
 import re
 import resource
 import shlex
-import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -896,9 +893,8 @@ HEAD_LAUNCH_CUDA = dict(ROWS=1, COLS=4096, num_warps=16, TANH_APPROX=True)
 HEAD_LAUNCH_CPU = dict(ROWS=128, COLS=8192, TANH_APPROX=False)
 
 def softcapped_cross_entropy_(logits, targets, grad_scale=None, softcap=GPT.softcap):
-    """Per-row losses of the softcapped logits softcap tanh(z / softcap); with grad_scale, z is
-    overwritten with grad_scale * d(sum of losses)/dz. On a CPU it runs in Triton's interpreter
-    (triton.jit chose the compiler at import; TRITON_INTERPRET would switch every kernel)."""
+    """Per-row losses of softcap tanh(z / softcap); with grad_scale, z is overwritten with
+    grad_scale * d(sum of losses)/dz. On a CPU it runs in Triton's interpreter."""
     assert logits.is_contiguous() and targets.dtype == torch.int64
     kernel = softcapped_cross_entropy_kernel
     launch = HEAD_LAUNCH_CUDA
@@ -932,12 +928,8 @@ class FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         x, weight, grad_logits = ctx.saved_tensors
-        grad_x = None
-        grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = matmul(grad_logits, weight.type_as(x)).mul_(grad_loss)
-        if ctx.needs_input_grad[1]:
-            grad_w = matmul(grad_logits.T, x).float().mul_(grad_loss)
+        grad_x = matmul(grad_logits, weight.type_as(x)).mul_(grad_loss)
+        grad_w = matmul(grad_logits.T, x).float().mul_(grad_loss)
         return grad_x, grad_w, None, None
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -981,8 +973,7 @@ def fused_head_loss(x, weight, targets, chunk_rows=0, softcap=GPT.softcap):
     return torch.cat(losses).mean()
 
 def fused_head_on(option, device):
-    """--fused_head_loss, which needs triton: auto means on with NVIDIA's CUDA only. ROCm builds
-    also call their GPUs "cuda", but cannot build the kernel's PTX instruction (tanh.approx.f32)."""
+    """--fused_head_loss: auto means on with NVIDIA's CUDA (ROCm's "cuda" lacks tanh.approx.f32)."""
     on_nvidia = device.type == "cuda" and torch.version.hip is None
     return triton is not None and (option == "true" or (option == "auto" and on_nvidia))
 
@@ -991,8 +982,7 @@ KERNEL_SOFTCAP_LIMIT = 43
 
 def head_matches_kernel(model):
     """Whether the kernel computes the model's head: a numeric GPT.softcap up to the limit, and
-    GPT.logits and GPT.head_loss's plain path equal to softcap tanh(z / softcap) and its mean
-    cross-entropy on 4 rows of logits z from -4 to 4 softcaps (lm_head swapped for the identity)."""
+    GPT.logits and GPT.head_loss equal to its maths on logits z from -4 to 4 softcaps."""
     softcap = model.softcap
     if not isinstance(softcap, (int, float)) or not 0 < softcap <= KERNEL_SOFTCAP_LIMIT:
         return False
@@ -1036,8 +1026,7 @@ TORCHRUN_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
                       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"]
 
 def check_launch_environment():
-    """A process torchrun started has all of torchrun's variables: some of them are a leftover in a
-    shell, refused on every process before anything waits."""
+    """Some of torchrun's variables, not all: a leftover in a shell, refused before anything waits."""
     found = [name for name in TORCHRUN_VARIABLES if name in os.environ]
     if found and len(found) < len(TORCHRUN_VARIABLES):
         settings = " ".join(f"{name}={shlex.quote(os.environ[name])}" for name in found)
@@ -1051,8 +1040,7 @@ def option_facts():
     return {f.name: dict(plain, **f.metadata) for f in fields(Hyperparameters)}
 
 def check_hyperparameters(args):
-    """Refuse a value that cannot work, naming the option and its valid values: the rules in field
-    order, then those whose words read other options."""
+    """Refuse a value that cannot work, naming the option and its valid values."""
     checks = [(name, rule) for name, facts in option_facts().items() for rule in facts["rules"]]
     for name, (valid, allowed) in sorted(checks, key=lambda check: callable(check[1][1])):
         value = getattr(args, name)
@@ -1070,14 +1058,13 @@ def nvidia_smi_gpus():
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         answer = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
         return [line.rpartition(", ")[::2] for line in answer.stdout.splitlines() if line.strip()]
-    return []
 
 def setup_device():
     """Rank, world size and device, from torchrun's environment (a single process without it)."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if not torch.cuda.is_available():
-        gpus = nvidia_smi_gpus() if os.environ.get("CUDA_VISIBLE_DEVICES") != "" else []
+        gpus = nvidia_smi_gpus() if os.environ.get("CUDA_VISIBLE_DEVICES") != "" else None
         if gpus:
             raise UserError(
                 f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only) cannot use "
@@ -1101,7 +1088,7 @@ def setup_device():
     return rank, world_size, device
 
 # how long a collective waits for the other processes: a process that stops answering (frozen, or
-# its node off the network) ends the run with an error on the others, not half an hour of silence
+# its node off the network) ends the run with a line on the others, not half an hour of silence
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 def timed_out(error, world_size):
@@ -1141,10 +1128,9 @@ def keep_freed_memory():
     A step's logits (100+ MB) are otherwise mapped, faulted in and unmapped afresh each time: half
     of a smoke run's time (40 s instead of 20, measured). Elsewhere (macOS), nothing changes."""
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None)
         # M_TRIM_THRESHOLD: keep up to 1 GiB of freed memory; M_MMAP_MAX: no block mapped alone
-        libc.mallopt(-1, 2 ** 30)
-        libc.mallopt(-4, 0)
+        ctypes.CDLL(None).mallopt(-1, 2 ** 30)
+        ctypes.CDLL(None).mallopt(-4, 0)
 
 def synchronize(device):
     if device.type == "cuda":
@@ -1177,9 +1163,10 @@ REFETCH_HINT = "`python data/cached_fineweb10B.py N` replaces invalid shards"
 def read_shard_header(path):
     """Check a shard's header against its size, without reading the tokens; returns their count."""
     try:
-        size = os.stat(path).st_size
+        size = os.path.getsize(path)
+        # a pipe would never end
         if not os.path.isfile(path):
-            raise IsADirectoryError(errno.EISDIR, "a folder, a pipe or a device, not a token shard")
+            raise IsADirectoryError(0, "a folder, a pipe or a device, not a token shard")
         with open(path, "rb") as f:
             header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
     except OSError as e:
@@ -1193,10 +1180,9 @@ def read_shard_header(path):
     if header[1] != SHARD_VERSION:
         raise UserError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
     num_tokens = int(header[2])
-    expected = HEADER_BYTES + 2 * num_tokens
-    if size != expected:
-        raise UserError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file "
-                        f"has {size} bytes (truncated or corrupt); {REFETCH_HINT}")
+    if size != HEADER_BYTES + 2 * num_tokens:
+        raise UserError(f"{path}: header says {num_tokens} tokens ({HEADER_BYTES + 2 * num_tokens} "
+                        f"bytes) but the file has {size} bytes (truncated or corrupt); {REFETCH_HINT}")
     return num_tokens
 
 def write_data_shard(path, tokens):
@@ -1206,8 +1192,9 @@ def write_data_shard(path, tokens):
     header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
     Path(path).write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
 
-def check_vocabulary(path, tokens, vocab_size):
-    """Every id of a shard below the vocabulary size (on the host, as each shard is loaded)."""
+def read_checked_shard(path, vocab_size):
+    """A shard's tokens, every id below the vocabulary size (checked on the host as it is read)."""
+    tokens = load_data_shard(path)
     ids = tokens.numpy()
     if len(ids) > 0 and ids.max() >= vocab_size:
         at = int(np.argmax(ids >= vocab_size))
@@ -1215,6 +1202,7 @@ def check_vocabulary(path, tokens, vocab_size):
                         f"{vocab_size}: shards made with another tokenizer (pass its "
                         "--vocab_size), or a corrupt file (FineWeb: "
                         "`python data/cached_fineweb10B.py N --verify` replaces it)")
+    return tokens
 
 def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     """EOT-led documents of 40 to 399 tokens of a Markov chain (learnable far below ln(vocab))."""
@@ -1235,51 +1223,34 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     return tokens
 
 def prepare_shards(args, split, num_tokens):
-    """The glob of a split's shards; for "synthetic", the seeded stream, written by each rank."""
+    """The glob of a split's shards; for "synthetic", one chain's stream, written by each rank: the
+    train documents drawn by the seed, the val ones the same for every seed."""
     pattern = getattr(args, f"{split}_files")
     if pattern != "synthetic":
         return pattern
-    name = f"synthetic_{split}_{int(split == 'train'):06d}.bin"
-    path = Path(args.log_dir) / f"synthetic-seed{args.seed}" / name
+    path = Path(args.log_dir, f"synthetic-seed{args.seed}",
+                f"synthetic_{split}_{int(split == 'train'):06d}.bin")
     make_writable_folder(path.parent, "--log_dir")
-    try:
-        # one chain; the train documents drawn by the seed, the val ones the same for every seed
-        seed = [args.seed, 1] if split == "train" else [0, 0]
-        stream = markov_stream(num_tokens, seed, chain_seed=0)
-        with atomic_write(path) as tmp:
-            write_data_shard(tmp, stream)
-    # numpy refuses an array past its largest size with a ValueError
-    except (OSError, MemoryError, ValueError) as e:
-        reason = getattr(e, "strerror", None) or "out of memory"
-        raise UserError(f"cannot write the synthetic shard {path} of {num_tokens:,} tokens "
-                        f"({reason}): free some space, or lower --num_iterations or "
-                        "--batch_size") from None
+    seed = [args.seed, 1] if split == "train" else [0, 0]
+    with atomic_write(path) as tmp:
+        write_data_shard(tmp, markov_stream(num_tokens, seed, chain_seed=0))
     return glob.escape(str(path))
 
 def fetch_hint(num_iterations, batch_size):
-    """The command that fetches the train shards a run reads, and a spare beyond one (the record's
-    usual advice: 9 for the 8 that 1,390 steps read)."""
+    """The command that fetches the train shards a run reads, and a spare (9 for the record's 8)."""
     needed = math.ceil(num_iterations / max(1, (100_000_000 - 2) // batch_size))
     shards = f"{needed + 1}` (this run reads {needed} train shards)" if needed > 1 else "1`"
     return f"fetch FineWeb with `python data/cached_fineweb10B.py {shards}"
 
-def shard_files(pattern, hint):
-    """The shards a glob matches, in sorted name order; none is one line."""
-    files = sorted(glob.glob(pattern))
-    if not files:
-        raise UserError(f"no data shard matches {pattern!r}: {hint}, or point --train_files/"
-                        "--val_files at your shards")
-    return files
-
 def batches_before_wrap(files, sizes, batch_size):
     """How many whole batches the loader takes from the shards before it wraps around."""
-    for path, n in zip(files, sizes):
+    for path in files:
         # next_batch takes a batch while pos + batch + 1 < tokens
-        if n < batch_size + 2:
-            raise UserError(f"{path}: {n:,} tokens, fewer than one batch of {batch_size:,} + 2 "
-                            "(the last target and the loader's margin): use other shards or a "
-                            "smaller batch")
-    return sum((n - 2) // batch_size for n in sizes)
+        if sizes[path] < batch_size + 2:
+            raise UserError(f"{path}: {sizes[path]:,} tokens, fewer than one batch of "
+                            f"{batch_size:,} + 2 (the last target and the loader's margin): use "
+                            "other shards or a smaller batch")
+    return sum((sizes[path] - 2) // batch_size for path in files)
 
 def check_data(args, train_files, val_files, sizes, val_batch, hint):
     """No val shard among the train shards (a link or a copy neither), and tokens enough for the
@@ -1296,23 +1267,44 @@ def check_data(args, train_files, val_files, sizes, val_batch, hint):
             raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
                             "(a copy or a link): a run must never train on its validation data; "
                             "take it out of the train shards or narrow --train_files")
-    train_sizes = [sizes[path] for path in train_files]
-    train_batches = batches_before_wrap(train_files, train_sizes, args.batch_size)
+    train_batches = batches_before_wrap(train_files, sizes, args.batch_size)
     passes = args.num_iterations / train_batches
     fewer_steps = "" if args.resume else ", lower --num_iterations"
     if passes > 1 and not args.allow_data_repeat:
         raise UserError(f"the run needs {args.num_iterations} batches of {args.batch_size:,} "
                         f"train tokens ({args.num_iterations * args.batch_size:,} tokens) but the "
-                        f"train shards hold {sum(train_sizes):,}, enough for "
-                        f"{train_batches} without repeating: {hint}{fewer_steps}, or pass "
+                        f"train shards hold {sum(sizes[path] for path in train_files):,}, enough "
+                        f"for {train_batches} without repeating: {hint}{fewer_steps}, or pass "
                         "--allow_data_repeat true to reuse tokens")
-    val_sizes = [sizes[path] for path in val_files]
-    val_batches = batches_before_wrap(val_files, val_sizes, val_batch)
+    val_batches = batches_before_wrap(val_files, sizes, val_batch)
     if args.val_tokens // val_batch > val_batches:
         raise UserError(f"--val_tokens {args.val_tokens:,} is more than the val shards hold "
-                        f"({sum(val_sizes):,} tokens, {val_batches * val_batch:,} in whole "
-                        f"batches of {val_batch:,}): lower --val_tokens, or add val shards")
+                        f"({sum(sizes[path] for path in val_files):,} tokens, "
+                        f"{val_batches * val_batch:,} in whole batches of {val_batch:,}): lower "
+                        "--val_tokens, or add val shards")
     return passes
+
+def data_loaders(args, rank, world_size, device):
+    """The loaders, every header checked now (a bad shard fails at start-up, not hours in), ids as
+    each shard is read (the val shards' now); the token counts by path, the passes over train."""
+    hint = fetch_hint(args.num_iterations, args.batch_size)
+    read_shard = functools.partial(read_checked_shard, vocab_size=args.vocab_size)
+    loaders = []
+    sizes = {}
+    for split, num_tokens in [("train", args.num_iterations * args.batch_size + 2),
+                              ("val", args.val_tokens + 2)]:
+        pattern = prepare_shards(args, split, num_tokens)
+        if not glob.glob(pattern):
+            raise UserError(f"no data shard matches {pattern!r}: {hint}, or point --train_files/"
+                            "--val_files at your shards")
+        loaders.append(DistributedDataLoader(pattern, rank, world_size, device, read_shard))
+        sizes.update((path, read_shard_header(path)) for path in loaders[-1].files)
+    # the first is read already
+    for path in loaders[1].files[1:]:
+        read_shard(path)
+    val_batch = micro_batch_plan(args, world_size)[2]
+    passes = check_data(args, *(loader.files for loader in loaders), sizes, val_batch, hint)
+    return *loaders, sizes, passes
 
 # --------------------------------------------------------------------------------------------------
 # Run log: rank 0's logs/<run id>.txt (this file's source, the set-up), train time, step lines
@@ -1327,9 +1319,11 @@ def to_console(line, stream=None):
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
-def tell_launcher(line, code=1):
-    """This process's last line and exit code, in the file torchrun gives it: torchrun's report of
-    a failed run quotes the line of the first process that failed."""
+def last_words(line, console=True, code=1):
+    """A process's last line: on stderr, and with its exit code in the file torchrun gives it, for
+    torchrun's report of the first that failed."""
+    if console:
+        to_console(line, sys.stderr)
     message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time())), exit_code=code))
     with contextlib.suppress(OSError, KeyError):
         Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(dict(message=message)))
@@ -1343,13 +1337,11 @@ def make_writable_folder(folder, option):
         # makedirs says "File exists" of a file where the folder would be
         in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
         reason = "a file stands in its path" if in_the_way else e.strerror
-        raise UserError(f"{option}: cannot make or write to {folder} ({reason}): "
-                        "pick another") from None
+        raise UserError(f"{option}: cannot make or write to {folder} ({reason}): pick another") from None
 
 @contextlib.contextmanager
 def atomic_write(path):
-    """The temp path to write path's bytes to, renamed into place once written: never half a file,
-    and a write that fails leaves none (a process killed mid-write leaves its .tmp)."""
+    """A temp path for path's bytes, renamed into place once written: never half a file."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         yield tmp
@@ -1369,20 +1361,15 @@ class RunLog(contextlib.AbstractContextManager):
         self.args = args
         # the checkpoints this run wrote, (step, path), oldest first: the only files it deletes
         self.checkpoints = []
-        self.resume_hint = "no checkpoint was written"
+        self.resume_hint = " or pick another --log_dir"
         if master:
             make_writable_folder(args.log_dir, "--log_dir")
             self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
-            try:
-                self.file = open(self.path, "w")
-                to_console(f"logging to {self.path}")
-                scorer_source = hellaswag.source if hellaswag else ""
-                self.file.write(f"{Path(__file__).read_text()}{scorer_source}\n{'=' * 100}\n")
-                self.file.flush()
-            except OSError as e:
-                self.close()
-                raise UserError(f"cannot write to the log {self.path} ({e.strerror}): free some "
-                                "space or pick another --log_dir") from None
+            self.file = open(self.path, "w")
+            to_console(f"logging to {self.path}")
+            scorer_source = hellaswag.source if hellaswag else ""
+            self(f"{Path(__file__).read_text()}{scorer_source}\n{'=' * 100}", console=False)
+            self.resume_hint = "; no checkpoint was written"
 
     def __call__(self, line, console=True):
         """Log a line; print it (on the stream given as console) unless console is False."""
@@ -1394,7 +1381,7 @@ class RunLog(contextlib.AbstractContextManager):
             except OSError as e:
                 self.close()
                 raise UserError(f"cannot write to the log {self.path} ({e.strerror}): free some "
-                                f"space; {self.resume_hint}") from None
+                                f"space{self.resume_hint}") from None
 
     def close(self):
         if self.file:
@@ -1411,7 +1398,7 @@ class RunLog(contextlib.AbstractContextManager):
         elif isinstance(error, Stopped):
             self(stopped_before_steps(error.signum, self.args), console=False)
         elif isinstance(error, Exception):
-            self("".join(traceback.format_exception(kind, error, trace)).rstrip(), console=False)
+            self("".join(traceback.format_exception(error)).rstrip(), console=False)
         self.close()
 
     def header(self, args, world_size, device, loaders, passes, notes):
@@ -1421,12 +1408,10 @@ class RunLog(contextlib.AbstractContextManager):
                  f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
                  f"devices: {world_size} x {gpu}"]
         # once a run: only rank 0 writes the log; a broken driver can make nvidia-smi hang
-        if self.file and shutil.which("nvidia-smi"):
-            try:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            if self.file:
                 table = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
                 lines.append(table.stdout.rstrip())
-            except (OSError, subprocess.SubprocessError) as e:
-                lines.append(f"nvidia-smi: no table ({type(e).__name__}: {e})")
         lines += ["=" * 100, "hyperparameters:"]
         lines += [f"  {name} = {value}" for name, value in asdict(args).items()]
         for name, loader in zip(("train", "val"), loaders):
@@ -1435,11 +1420,9 @@ class RunLog(contextlib.AbstractContextManager):
         source = ""
         if "synthetic" in (args.train_files, args.val_files):
             source = f"synthetic Markov-chain documents (seed {args.seed}), no download needed; "
-        self(f"data: {source}train {args.train_files}, val {args.val_files}; "
-             f"{args.num_iterations * args.batch_size:,} train tokens read, "
-             f"{passes:.2f} passes over the train shards")
-        for note in notes:
-            self(note)
+        self("\n".join([f"data: {source}train {args.train_files}, val {args.val_files}; "
+                        f"{args.num_iterations * args.batch_size:,} train tokens read, "
+                        f"{passes:.2f} passes over the train shards", *notes]))
         self("=" * 100, console=False)
 
 class TrainClock:
@@ -1458,15 +1441,14 @@ class TrainClock:
         self.resume()
 
     def pause(self):
-        if self.running:
+        if self.t0 is not None:
             synchronize(self.device)
             self.ms += 1000 * (time.perf_counter() - self.t0)
-            self.running = False
+            self.t0 = None
 
     def resume(self):
         synchronize(self.device)
         self.t0 = time.perf_counter()
-        self.running = True
 
     def elapsed_ms(self):
         """Train time so far, without waiting for the device: approximate."""
@@ -1487,9 +1469,8 @@ class TrainClock:
 REGIONAL_RECOMPILE_LIMIT = 32
 
 def compile_regions(model):
-    """Each block and the head compiled alone: 4 block forms traced, not 12 blocks, by training and
-    by evaluation each: all 8 graphs dynamo keeps of one function. Past them a block runs uncompiled
-    (its flex attention out of memory), so the limit gets headroom; a form beyond it is an error."""
+    """Each block and the head compiled alone: 4 block forms by training and evaluation each, the 8
+    graphs dynamo keeps of a function; past them a block would run uncompiled, so: an error."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                REGIONAL_RECOMPILE_LIMIT)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
@@ -1503,10 +1484,8 @@ COMPILE_CACHE_HEADER = "train_gpt compile cache: "
 
 def compile_cache_stamp(args, world_size, device):
     """What compiled code depends on (a cache with another stamp is not used): the versions, the
-    device, the process count (DDP splits the graph at its buckets on 2 or more; Muon stacks each
-    process's share), the micro-batch, and the options that shape graphs (option()), in order."""
-    triton_version = next((d.version for d in importlib.metadata.distributions(name="triton")),
-                          None)
+    device, the process count (DDP's buckets, Muon's shares), the micro-batch, the graph options."""
+    triton_version = getattr(triton, "__version__", None)
     # a CPU's kernels are built for its vector instructions: an AVX-512 cache under AVX2 gave NaN
     gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else f"cpu {torch.backends.cpu.get_cpu_capability()}")
@@ -1517,48 +1496,40 @@ def compile_cache_stamp(args, world_size, device):
             f"{processes}, micro-batch {micro_batch_plan(args, world_size)[0]}, {options}")
 
 def is_compile_cache(path):
-    """Whether a regular file begins as this trainer's compile caches do (whatever their stamp):
-    only such a file is ever replaced by a cache."""
-    if not os.path.isfile(path):
-        return False
-    # an unreadable file: no first line
-    first_line = b""
+    """Whether a file begins as this trainer's compile caches do: only such a file is replaced."""
     with contextlib.suppress(OSError), open(path, "rb") as f:
-        first_line = f.readline(4096)
-    header = re.escape(COMPILE_CACHE_HEADER.encode()) + rb".* sha256=[0-9a-f]{64}\n"
-    return re.fullmatch(header, first_line) is not None
+        header = re.escape(COMPILE_CACHE_HEADER.encode()) + rb".* sha256=[0-9a-f]{64}\n"
+        return os.path.isfile(path) and re.fullmatch(header, f.readline(4096)) is not None
+    return False
 
 def load_compile_cache(path, stamp, compiled=True):
     """Every rank fills its compile caches from path before anything compiles: what happened."""
-    if not path:
-        return ""
     if not compiled:
         return "ignored: compile is off"
     make_writable_folder(os.path.dirname(path) or ".", "--compile_cache")
     if not os.path.exists(path):
         return "not found; rank 0 writes it after step 1"
+    replaced = "rank 0 replaces it after step 1"
+    # a bad cache costs a compile, never the run
     try:
         header, _, artifacts = Path(path).read_bytes().partition(b"\n")
         made_by, _, digest = header.decode(errors="replace").rpartition(" sha256=")
+        # only what differs, item by item
+        theirs = made_by.removeprefix(COMPILE_CACHE_HEADER).split(", ")
+        ours = stamp.removeprefix(COMPILE_CACHE_HEADER).split(", ")
         if made_by != stamp:
-            # only what differs, item by item
-            theirs = made_by.removeprefix(COMPILE_CACHE_HEADER).split(", ")
-            ours = stamp.removeprefix(COMPILE_CACHE_HEADER).split(", ")
-            made_for = ", ".join(item for item in theirs if item not in ours)
+            made_for = ", ".join(item for item in theirs if item not in ours)[:300]
             this_run = ", ".join(item for item in ours if item not in theirs)
-            return (f"rejected: made for {made_for[:300]}; this run is {this_run}; rank 0 replaces "
-                    "it after step 1")
-        intact = hashlib.sha256(artifacts).hexdigest() == digest
-        if not intact or torch.compiler.load_cache_artifacts(artifacts) is None:
-            return "rejected: corrupt or unreadable; rank 0 replaces it after step 1"
-    # a bad cache costs a compile, never the run
+            return f"rejected: made for {made_for}; this run is {this_run}; {replaced}"
+        if hashlib.sha256(artifacts).hexdigest() != digest or (
+                torch.compiler.load_cache_artifacts(artifacts) is None):
+            return f"rejected: corrupt or unreadable; {replaced}"
     except Exception as e:
         return f"rejected: {type(e).__name__}: {e}"
     return f"loaded ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
 def save_compile_cache(path, stamp):
-    """Written whole (atomic_write), and never over a file that is not a cache (start-up refuses
-    one; this catches one put there later)."""
+    """Written whole, and never over a file that is not a cache (one put there during the run)."""
     if os.path.exists(path) and not is_compile_cache(path):
         return f"not saved: {path} is not a compile cache now, so it stays as it is"
     artifacts = (torch.compiler.save_cache_artifacts() or [b""])[0]
@@ -1597,9 +1568,8 @@ SOURCE_SHA256 = hashlib.sha256(SOURCE).hexdigest()
 SCRIPT = os.path.realpath(__file__)
 
 class Stopped(BaseException):
-    """A stop signal with nothing to save (before the first step has ended, or after the last),
-    raised at once, whatever the process is doing (compiling, say). Not an Exception: nothing on
-    the way catches it."""
+    """A stop signal with nothing to save (before the first step ends, after the last), raised at
+    once, whatever the process does (compiling, say); not an Exception: nothing catches it."""
     def __init__(self, signum):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
@@ -1607,28 +1577,24 @@ class Stopped(BaseException):
 def stopped_before_steps(signum, args):
     """The last line of a run stopped before its first step ended."""
     kept = f"; {args.resume} is as it was" if args.resume else ""
-    return (f"stopped by {signal.Signals(signum).name} before the first step ended: nothing to "
-            f"save{kept}")
+    return f"stopped by {signal.Signals(signum).name} before the first step ended: nothing to save{kept}"
 
 class CleanStop(contextlib.AbstractContextManager):
-    """SIGTERM, SIGINT, and SIGHUP unless ignored (under nohup). With nothing to save (at_once), a
-    signal raises Stopped. While steps run, it sets a flag instead: every STOP_CHECK_EVERY steps
-    the ranks all-reduce it on a CPU group (agree_on) and read the result at the next exchange, with
-    no host wait and no device sync, and all ranks stop after the same step."""
+    """SIGTERM, SIGINT, and SIGHUP unless ignored (nohup). With nothing to save (at_once), a signal
+    raises Stopped; while steps run, it sets a flag that the ranks all-reduce on a CPU group every
+    STOP_CHECK_EVERY steps, read at the next exchange: no device sync, all stop after one step."""
     def __init__(self):
         self.received = 0
         self.at_once = True
         self.pending = (torch.tensor(0), None)
         self.group = None
         signums = [signal.SIGTERM, signal.SIGINT]
-        hangup = getattr(signal, "SIGHUP", None)
-        if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
-            signums.append(hangup)
+        if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signums.append(signal.SIGHUP)
         self.previous = {signum: signal.signal(signum, self._on_signal) for signum in signums}
 
     def _on_signal(self, signum, frame):
-        if not self.received:
-            self.received = signum
+        self.received = self.received or signum
         if self.at_once:
             raise Stopped(signum)
 
@@ -1638,14 +1604,12 @@ class CleanStop(contextlib.AbstractContextManager):
             self.group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
     def __exit__(self, kind, error, traceback):
-        # a failing rank keeps a flag-setting handler while it writes its last lines: torchrun
-        # SIGTERMs all
         self.at_once = False
-        if error is not None and self.group is not None:
-            return
-        # a pending all-reduce ends with its group: every rank launched it
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+        # a failing rank keeps the flag's handler while it writes its last lines (torchrun
+        # SIGTERMs all); a pending all-reduce ends with its group: every rank launched it
+        if error is None or self.group is None:
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler)
 
     def agreed(self, step):
         """The signal that all ranks stop on after this step, or 0; called at every step on all."""
@@ -1668,33 +1632,28 @@ def resume_command(path, world_size):
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return f"python {script_and_options}"
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    nodes = world_size // per_node
-    if nodes == 1:
+    if per_node == world_size:
         return f"torchrun --standalone --nproc_per_node={world_size} {script_and_options}"
     # the rendezvous options of a multi-node launch are not known here
-    return (f"this run's torchrun command (--nnodes={nodes} --nproc_per_node={per_node} and its "
-            f"rendezvous options) on every node, with {script_and_options}; only this node has "
-            "the checkpoint: copy it to the same path on the others")
+    return (f"this run's torchrun command (--nnodes={world_size // per_node} --nproc_per_node="
+            f"{per_node} and its rendezvous options) on every node, with {script_and_options}; "
+            "only this node has the checkpoint: copy it to the same path on the others")
 
 def train_shards(args, files=None, sizes=None):
-    """The train shards' name:tokens (none if "synthetic"): of the files given, with their sizes at
-    start-up (by path), or of those the glob matches now."""
+    """The train shards' name:tokens (none if "synthetic"): of the files given, or of the glob."""
     if args.train_files == "synthetic":
         return []
     files = sorted(glob.glob(args.train_files)) if files is None else files
     counts = [sizes[path] if sizes else read_shard_header(path) for path in files]
     return [f"{os.path.basename(path)}:{n}" for path, n in zip(files, counts)]
 
-# the rules of options that name files or folders
-PATH_RULES = {SHARDS, FOLDER, FILE, NOT_A_FOLDER}
-
 def load_checkpoint(argv, path):
-    """A checkpoint read as data (tensors and plain values: nothing in it runs) and its options,
-    those given on the command line over them where allowed; written by this script, unless
-    --accept_other_script. The path options it brings (not given again) are kept in `taken_over`."""
+    """A checkpoint read as data (nothing in it runs) and its options, the command line's over them
+    where allowed; written by this script, unless --accept_other_script."""
     where = f"--resume {path!r}"
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
+        # a pipe would never end
+        if not os.path.isfile(path) and os.path.exists(path):
             raise IsADirectoryError(0, "a folder, a pipe or a device, not a checkpoint file")
         # the zip's CRCs catch a flipped byte in tensor data, which torch.load misses
         damaged = zipfile.ZipFile(path).testzip()
@@ -1712,18 +1671,18 @@ def load_checkpoint(argv, path):
                             "tensors and plain data, as no checkpoint of this trainer does): "
                             "resume from a checkpoint this trainer wrote") from None
         problem = f"{type(e).__name__}: {e}"
-        raise UserError(f"{where} is not a checkpoint, or a corrupt or truncated one "
-                        f"({problem}): give another (a run keeps its last two)") from None
+        raise UserError(f"{where} is not a checkpoint, or a corrupt or truncated one ({problem}): "
+                        "give another (a run keeps its last two)") from None
     # the acceptance of another script is this run's to give, never taken over
     args = parse_args(argv, resumed=dict(saved, accept_other_script=False))
-    script = os.path.basename(checkpoint.get("script", "another script"))
-    writer = f"{script} (sha256 {str(checkpoint.get('source_sha256'))[:12]})"
-    this_script = f"{os.path.basename(__file__)} (sha256 {SOURCE_SHA256[:12]})"
+    writer = (f"{os.path.basename(checkpoint.get('script', 'another script'))} (sha256 "
+              f"{str(checkpoint.get('source_sha256'))[:12]})")
     other_script = checkpoint.get("source_sha256") != SOURCE_SHA256
     if other_script and not args.accept_other_script:
-        raise UserError(f"{where} was written by {writer}, not by this script, {this_script}: "
-                        "resume with the script that wrote it, or pass --accept_other_script true "
-                        "to go on with this one (the log records it)")
+        raise UserError(f"{where} was written by {writer}, not by this script, "
+                        f"{os.path.basename(__file__)} (sha256 {SOURCE_SHA256[:12]}): resume with "
+                        "the script that wrote it, or pass --accept_other_script true to go on with "
+                        "this one (the log records it)")
     if checkpoint["step"] > args.num_iterations:
         raise UserError(f"{where} is at step {checkpoint['step']}, past its --num_iterations "
                         f"{args.num_iterations}: there is no step to go on to")
@@ -1759,15 +1718,12 @@ def load_checkpoint(argv, path):
     if changed:
         changes = ", ".join(f"--{n} {saved.get(n)!r} -> {getattr(args, n)!r}" for n in changed)
         note += f"; options changed: {changes}"
-    # files and folders named by the checkpoint's options, where the command line names none
-    given = parse_args(argv)
-    paths = [name for name in options if PATH_RULES & set(facts[name]["rules"])]
-    taken_over = [f"--{n} {getattr(args, n)!r}" for n in paths if options[n] != getattr(given, n)]
-    return args, dict(checkpoint, note=note, taken_over=taken_over)
+    return args, dict(checkpoint, note=note)
 
-def load_weights(model, weights, where):
-    """A checkpoint's weights into the model; weights that do not fit are one line naming the first
-    parameter that differs, and how."""
+def load_state(checkpoint, model, optimizers, where):
+    """A checkpoint's weights and optimiser states loaded (each popped: freed); weights that do not
+    fit are one line naming the first parameter that differs."""
+    weights = checkpoint.pop("model")
     ours = model.state_dict()
     for name in [*ours, *weights]:
         if name not in weights:
@@ -1782,10 +1738,35 @@ def load_weights(model, weights, where):
         raise UserError(f"{where}: its weights do not fit this model ({problem}): resume with the "
                         "script and options that wrote it")
     model.load_state_dict(weights)
+    try:
+        for optimizer, state in zip(optimizers, checkpoint.pop("optimizers"), strict=True):
+            # the checkpoint's state, this run's settings (its learning rates, ...)
+            settings = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]
+            optimizer.load_state_dict(dict(state, param_groups=settings))
+    except (ValueError, KeyError, IndexError, RuntimeError) as e:
+        raise UserError(f"{where}: its optimiser states do not fit this script's optimisers "
+                        f"({' '.join(str(e).split())[:200]}): resume with the script that wrote "
+                        "it") from None
+
+def write_checkpoint(path, state):
+    """Written whole (atomic_write); a failed write's reason (a full disk), or None."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # through a file object: a failed write's OSError is kept (in torch's RuntimeError)
+        with atomic_write(path) as tmp, open(tmp, "wb") as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as error:
+        cause = error
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        # not the disk's: raised again
+        if cause is None:
+            raise
+        return cause.strerror or str(cause)
+    return None
 
 def load_hellaswag(args):
-    """With --hellaswag, evals/hellaswag.py's scorer, the examples read and tokenised now: evals/
-    missing (it must be beside this script), a bad file or tokenizer fails before any write."""
+    """With --hellaswag, evals/hellaswag.py's scorer: its examples read now, before any write."""
     if not args.hellaswag:
         return None
     try:
@@ -1803,8 +1784,8 @@ Due = collections.namedtuple("Due", "checkpoint validation end")
 
 class Run(contextlib.AbstractContextManager):
     """What keeps a run safe, for train(). Entered: stop signals, then the checks and set-up before
-    step 1 (batch, data, compile cache, process group, log); then what each step does before
-    training (due), the log's lines and clock, checkpoints, and the last line."""
+    step 1; then what each step does before training (due), the log's lines and clock,
+    checkpoints, and the last line."""
     def __init__(self, args, checkpoint=None, stop=None):
         self.args = args
         self.checkpoint = checkpoint
@@ -1814,9 +1795,7 @@ class Run(contextlib.AbstractContextManager):
             keep_freed_memory()
         self.master = self.rank == 0
         self.compiled = switched_on(args.compile, self.device)
-        # each shard's token count, by path, read from its header at start-up
-        self.sizes = {}
-        # the step under way (due() sets it); the step of a checkpoint that could not be written
+        # the step under way (due() sets it); a checkpoint's that could not be written
         self.step = None
         self.unsaved_step = None
         self.failure = None
@@ -1831,13 +1810,8 @@ class Run(contextlib.AbstractContextManager):
                 self.stop = stack.enter_context(CleanStop())
             self.hellaswag = load_hellaswag(args)
             check_batch_plan(args, self.world_size)
-            micro_batch, _, val_batch = micro_batch_plan(args, self.world_size)
-            hint = fetch_hint(args.num_iterations, args.batch_size)
-            self.train_loader = self.loader("train", args.num_iterations * args.batch_size + 2, hint)
-            self.val_loader = self.loader("val", args.val_tokens + 2, hint)
-            loaders = (self.train_loader, self.val_loader)
-            passes = check_data(args, *(loader.files for loader in loaders), self.sizes, val_batch,
-                                hint)
+            self.train_loader, self.val_loader, self.sizes, passes = data_loaders(
+                args, self.rank, self.world_size, self.device)
             self.stamp = compile_cache_stamp(args, self.world_size, self.device)
             if self.compiled and args.compile_tuning:
                 # not in record 18: on an H100, a first compile of 514 s, not 120 s, for 0.5% faster
@@ -1847,13 +1821,12 @@ class Run(contextlib.AbstractContextManager):
             if args.compile_cache:
                 cache_note = load_compile_cache(args.compile_cache, self.stamp, self.compiled)
                 notes.append(f"compile cache {args.compile_cache}: {cache_note}")
-            if self.checkpoint and self.checkpoint["taken_over"]:
-                notes.append(f"from the checkpoint: {', '.join(self.checkpoint['taken_over'])}")
             if self.world_size > 1:
                 start_process_group(self.device)
             self.stop.agree_on(self.world_size)
             self.log = stack.enter_context(RunLog(args, self.master, self.hellaswag))
-            stack.enter_context(out_of_memory_as_error(micro_batch))
+            stack.enter_context(out_of_memory_as_error(micro_batch_plan(args, self.world_size)[0]))
+            loaders = (self.train_loader, self.val_loader)
             self.log.header(args, self.world_size, self.device, loaders, passes, notes)
             self.exits = stack.pop_all()
         return self
@@ -1861,16 +1834,14 @@ class Run(contextlib.AbstractContextManager):
     def __exit__(self, kind, error, trace):
         if isinstance(error, Exception) and self.stop.received:
             # what a stop signal broke on its way (the compile workers it ends too) is the stop
-            self.log("".join(traceback.format_exception(kind, error, trace)).rstrip(),
-                     console=False)
+            self.log("".join(traceback.format_exception(error)).rstrip(), console=False)
             self.stopping, self.stop_signal = True, self.stop.received
             self.log_stop(during=True)
             return self.exits.__exit__(None, None, None) or True
         if timed_out(error, self.world_size):
-            waited = COLLECTIVE_TIMEOUT.total_seconds()
             error = UserError(f"another process of the run stopped answering: a collective waited "
-                              f"{waited:.0f} s for it during step {self.step}; "
-                              f"{self.how_to_go_on(during=True)}")
+                              f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s for it during step "
+                              f"{self.step}; {self.how_to_go_on(during=True)}")
             self.exits.__exit__(UserError, error, None)
             raise error
         if error is None and (self.stopping or self.failure):
@@ -1881,49 +1852,19 @@ class Run(contextlib.AbstractContextManager):
             dist.barrier()
         return suppressed
 
-    def loader(self, split, num_tokens, hint):
-        """A split's loader, every shard's header checked now (a bad shard fails at start-up, not
-        hours in), the ids of each one it opens checked (read_shard); the val shards all now."""
-        pattern = prepare_shards(self.args, split, num_tokens)
-        files = shard_files(pattern, hint)
-        self.sizes.update((path, read_shard_header(path)) for path in files)
-        loader = DistributedDataLoader(pattern, self.rank, self.world_size, self.device,
-                                       read_shard=self.read_shard)
-        # the first is loaded and checked already; val shards are few
-        for path in files[1:] if split == "val" else []:
-            self.read_shard(path)
-        return loader
-
-    def read_shard(self, path):
-        tokens = load_data_shard(path)
-        check_vocabulary(path, tokens, self.args.vocab_size)
-        return tokens
-
     def resume(self, model, optimizers):
-        """What checkpoints hold from now on: the model, its optimisers, the train loader's place.
-        Resuming, this rank's part of the checkpoint is loaded (each part popped: freed). Returns
-        the step the run starts at; its clock and step lines start there."""
+        """What checkpoints hold from now on: the model, its optimisers, the train loader's place,
+        loaded when resuming; returns the step the run starts at, where its clock starts."""
         self.model = model
         self.optimizers = optimizers
         self.start = 0
         timing = (0.0, 0)
-        checkpoint = self.checkpoint
-        if checkpoint is not None:
-            where = f"--resume {self.args.resume!r}"
-            load_weights(model, checkpoint.pop("model"), where)
-            try:
-                for optimizer, state in zip(optimizers, checkpoint.pop("optimizers")):
-                    # the checkpoint's state, this run's settings (its learning rates, ...)
-                    settings = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]
-                    optimizer.load_state_dict(dict(state, param_groups=settings))
-            except (RuntimeError, ValueError, KeyError, IndexError) as e:
-                raise UserError(f"{where}: its optimiser states do not fit this model "
-                                f"({' '.join(str(e).split())[:300]}): resume with the script and "
-                                "options that wrote it") from None
-            self.train_loader.reset(*checkpoint["loader"])
-            self.log(checkpoint["note"])
-            self.start = checkpoint["step"]
-            timing = checkpoint["timing"]
+        if self.checkpoint is not None:
+            load_state(self.checkpoint, model, optimizers, f"--resume {self.args.resume!r}")
+            self.train_loader.reset(*self.checkpoint["loader"])
+            self.log(self.checkpoint["note"])
+            self.start = self.checkpoint["step"]
+            timing = self.checkpoint["timing"]
         self.clock = TrainClock(self.device, self.start, *timing)
         # each step's train loss, copied to the host behind an event; (step, time, event) pending
         pinned = self.device.type == "cuda"
@@ -1932,9 +1873,8 @@ class Run(contextlib.AbstractContextManager):
         return self.start
 
     def due(self, step):
-        """What this step does before training, the same on every rank: whether it checkpoints,
-        validates, and ends the run (the last step, or a stop agreed by all: every rank calls this
-        at every step, for the stop flag's exchange)."""
+        """What this step does before training, on every rank alike (the stop flag's exchange):
+        whether it checkpoints, validates, and ends the run (the last step, or an agreed stop)."""
         args = self.args
         self.step = step
         if step == self.clock.timed_from:
@@ -1950,13 +1890,9 @@ class Run(contextlib.AbstractContextManager):
                    validation=not self.stopping and (last_step or validation),
                    end=last_step or self.stopping)
 
-    def checkpoint_path(self, step):
-        return os.path.join(self.args.log_dir, self.log.run_id, f"state_step{step:06d}.pt")
-
     def save_checkpoint(self, step):
-        """Every rank takes part (an optimiser's state_dict may gather from each); rank 0 writes it
-        whole (atomic_write), outside train time, and keeps the last two this run wrote. A write
-        that fails (a full disk) is a warning: the last checkpoint stays, training goes on."""
+        """Every rank takes part (Muon's state gathers); rank 0 writes it whole, keeping the last two
+        it wrote. A write that fails (a full disk) is a warning: the last one stays, training goes on."""
         self.write_train_losses(wait=True)
         self.clock.pause()
         optimizer_states = [optimizer.state_dict() for optimizer in self.optimizers]
@@ -1972,42 +1908,28 @@ class Run(contextlib.AbstractContextManager):
                      source=SOURCE, source_sha256=SOURCE_SHA256, script=SCRIPT,
                      run_id=self.log.run_id,
                      train_shards=train_shards(self.args, loader.files, self.sizes))
-        path = self.checkpoint_path(step)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            # through a file object: a failed write's OSError is kept (in torch's RuntimeError)
-            with atomic_write(path) as tmp, open(tmp, "wb") as f:
-                torch.save(state, f)
-        except (OSError, RuntimeError) as e:
-            return self.unsaved(step, e)
+        path = os.path.join(self.args.log_dir, self.log.run_id, f"state_step{step:06d}.pt")
         log = self.log
+        reason = write_checkpoint(path, state)
+        if reason:
+            self.unsaved_step = step
+            kept = "there is no earlier one"
+            if log.checkpoints:
+                kept = f"the last one, {log.checkpoints[-1][1]}, stays"
+            log(f"warning: the checkpoint of step {step} could not be written ({reason}: free some "
+                f"space in {self.args.log_dir}); {kept}", console=sys.stderr)
+            if self.args.save_checkpoint and step == self.args.num_iterations:
+                self.failure = f"the final checkpoint could not be written ({reason})"
+            return
         log.checkpoints.append((step, path))
-        log.resume_hint = (f"the last checkpoint stays: resume with: "
-                           f"{resume_command(path, self.world_size)}")
+        resume = resume_command(path, self.world_size)
+        log.resume_hint = f"; the last checkpoint stays: resume with: {resume}"
         # the last two this run wrote are kept: the older ones of its own, and no other file, go
         while len(log.checkpoints) > 2:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(log.checkpoints.pop(0)[1])
         seconds = time.perf_counter() - started
         log(f"checkpoint: {path}, {os.path.getsize(path) / 2 ** 20:.1f} MiB in {seconds:.1f} s")
-
-    def unsaved(self, step, error):
-        """The warning for a checkpoint that could not be written; the final one's is the run's
-        failure. An error that is not the disk's is raised again."""
-        cause = error
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise error
-        self.unsaved_step = step
-        kept = "there is no earlier one"
-        if self.log.checkpoints:
-            kept = f"the last one, {self.log.checkpoints[-1][1]}, stays"
-        reason = cause.strerror or str(cause)
-        self.log(f"warning: the checkpoint of step {step} could not be written ({reason}: free "
-                 f"some space in {self.args.log_dir}); {kept}", console=sys.stderr)
-        if self.args.save_checkpoint and step == self.args.num_iterations:
-            self.failure = f"the final checkpoint could not be written ({reason})"
 
     def log_val_loss(self, step, val_loss):
         self.write_train_losses(wait=True)
@@ -2021,8 +1943,7 @@ class Run(contextlib.AbstractContextManager):
                             "--embed_lr, --head_lr, --scalar_lr)")
 
     def log_train_loss(self, step, loss):
-        """The step's line, written once its loss has reached the host: no wait for the device in
-        the step (its train time is approximate too)."""
+        """The step's line, written once its loss has reached the host: no wait for the device."""
         train_time_ms = self.clock.elapsed_ms()
         self.host_losses[step].copy_(loss, non_blocking=True)
         # on the CPU the copy is done already
@@ -2032,7 +1953,7 @@ class Run(contextlib.AbstractContextManager):
             event.record()
         self.pending.append((step, train_time_ms, event))
         self.write_train_losses(wait=False)
-        # all has compiled now: evaluation at step 0, the model and the optimisers in step 1; from
+        # all has compiled now (validation at step 0, the model and the optimisers in step 1): from
         # here a stop waits for the end of a step, and a checkpoint
         if step == self.start:
             synchronize(self.device)
@@ -2058,8 +1979,7 @@ class Run(contextlib.AbstractContextManager):
                      f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
 
     def finish(self, model):
-        """The peak memory line; then, with --hellaswag, its scores, which a stop signal ends at
-        once (its compile too: there is nothing to save)."""
+        """The peak memory line; then, with --hellaswag, its scores (a stop ends them at once)."""
         self.write_train_losses(wait=True)
         self.log(f"peak memory consumption: {peak_memory_mib(self.device)} MiB")
         if not self.hellaswag or self.stopping:
@@ -2068,8 +1988,8 @@ class Run(contextlib.AbstractContextManager):
         try:
             if self.stop.received:
                 raise Stopped(self.stop.received)
-            scores = self.hellaswag.score(model, self.args, self.log, self.stop)
-            self.stopping, self.stop_signal = scores
+            self.stopping, self.stop_signal = self.hellaswag.score(model, self.args, self.log,
+                                                                   self.stop)
         except Stopped as stopped:
             self.stopping, self.stop_signal = True, stopped.signum
         self.stop.at_once = False
@@ -2084,31 +2004,26 @@ class Run(contextlib.AbstractContextManager):
         how = f"resume with: {resume_command(last, self.world_size)}"
         if during or last_step != self.step:
             how = f"from step {last_step}, {how}"
+        if self.unsaved_step == self.step and not during:
+            how = f"its checkpoint could not be written (see the warning above): {how}"
         return how
 
     def log_stop(self, during=False):
-        """The last line of the log and of stderr: which signal stopped the run, or the final
-        checkpoint's failure, after (or during) which step, and how to go on."""
-        how = self.how_to_go_on(during)
-        if self.unsaved_step == self.step and not during:
-            how = f"its checkpoint could not be written (see the warning above): {how}"
-            if not self.log.checkpoints:
-                how = ("its checkpoint could not be written (see the warning above), nor any "
-                       "before it")
+        """The last line: which signal stopped the run (or the final checkpoint's failure), after
+        (or during) which step, and how to go on."""
         when = f"during step {self.step}" if during else f"after step {self.step}"
         if self.stopping and self.step == self.args.num_iterations:
             when += ", in HellaSwag's scoring (no score)"
         stopped_by = f"error: {self.failure}: stopped"
         if not self.failure:
             stopped_by = f"stopped by {signal.Signals(self.stop_signal).name}"
-        line = f"{stopped_by} {when}; {how}"
-        self.log(line, console=sys.stderr)
-        tell_launcher(line, self.exit_code)
+        line = f"{stopped_by} {when}; {self.how_to_go_on(during)}"
+        self.log(line, console=False)
+        last_words(line, self.master, self.exit_code)
 
     @property
     def exit_code(self):
-        """1 when the final checkpoint failed; after a stop signal, 128 + its number (as if it
-        ended the run)."""
+        """1 when the final checkpoint failed; after a stop signal, 128 + its number."""
         if self.failure:
             return 1
         return 128 + self.stop_signal if self.stopping else 0
@@ -2136,12 +2051,6 @@ def parse_args(argv=None, resumed=None):
     namespace = parser.parse_args(argv)
     return Hyperparameters(**{f.name: getattr(namespace, f.name) for f in fields(Hyperparameters)})
 
-def last_words(line, console=True):
-    """A process's final error line: on stderr, and in the error file torchrun gave it."""
-    if console:
-        to_console(line, sys.stderr)
-    tell_launcher(line)
-
 def main(argv=None):
     # before anything initialises CUDA: fewer fragmentation stalls as the window grows
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -2158,15 +2067,12 @@ def main(argv=None):
             # every value, before anything is written
             check_hyperparameters(args)
             return train(args, checkpoint, stop)
-        except Stopped as stopped:
-            last_words(stopped_before_steps(stopped.signum, args), console=console)
-            return 128 + stopped.signum
         except UserError as e:
             # every_rank: on each rank
             last_words(f"error: {e}", console=console or e.every_rank)
             return 1
-        except Exception as e:
-            # what the stop broke on its way (the compile workers it ends too)
+        except (Stopped, Exception) as e:
+            # a stop, or what it broke on its way (the compile workers it ends too)
             if stop.received:
                 last_words(stopped_before_steps(stop.received, args), console=console)
                 return 128 + stop.received

@@ -89,9 +89,3 @@ def test_full_preset_never_falls_back_to_synthetic_data(tmp_path, capsys, monkey
     # no synthetic shard written either
     assert not (tmp_path / "logs").exists()
 
-
-def test_synthetic_data_past_any_memory_is_one_line_naming_what_to_lower(tmp_path, capsys):
-    err = run_main(capsys, "--preset", "smoke", "--num_iterations", str(10 ** 20),
-                   "--allow_data_repeat", "true", "--log_dir", str(tmp_path / "logs"))
-    assert err.startswith("error: cannot write the synthetic shard ")
-    assert err.rstrip().endswith("free some space, or lower --num_iterations or --batch_size")

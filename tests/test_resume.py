@@ -288,8 +288,10 @@ def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_acce
             "not applied: --mlp_ratio 8; options changed: "
             "--val_loss_every 2 -> 4, "
             f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines)
+    # the checkpoint's shards, which the command line did not name
     train, val = state["args"]["train_files"], state["args"]["val_files"]
-    assert f"from the checkpoint: --train_files {train!r}, --val_files {val!r}" in lines
+    assert (f"data: train {train}, val {val}; 2,048 train tokens read, 0.02 passes over the train "
+            "shards" in lines)
     assert "  accept_other_script = True" in lines
     assert val_losses(log) == {8: expected[8]}
 

@@ -232,4 +232,4 @@ def test_no_nvidia_smi_or_no_answer_from_it_means_no_gpu(monkeypatch, failure):
         raise failure
 
     monkeypatch.setattr(subprocess, "run", nvidia_smi)
-    assert train_gpt.nvidia_smi_gpus() == []
+    assert not train_gpt.nvidia_smi_gpus()
