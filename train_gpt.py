@@ -9,22 +9,8 @@ The record it reproduces: record 18 of the public NanoGPT speedrun (2025-01-04),
 step; over 80 runs the val loss averaged 3.2791 (std 0.0019). Same maths, step for step.
 
 Where it comes from: Keller Jordan's modded-nanogpt, which began as Andrej Karpathy's llm.c GPT-2
-(124M) reproduction in PyTorch (45 minutes), and the people who raced it down since.
-
-Who contributed each idea, as the public records credit them:
-    Muon optimiser                        Keller Jordan, with Jeremy Bernstein (@jxbz)
-    Newton-Schulz quintic, coefficients   Keller Jordan; its B = bA + cA^2 form from @jxbz,
-                                          @leloykun and @YouJiacheng; early tuning @bozavlado
-    ReLU², QK-norm, zero-initialised      @Grad62304977 with Keller Jordan (ReLU² also
-    projections and head, padded vocab    @SKYLINEZ007)
-    untied head, logit softcap            @Grad62304977 (tanh, 30); 15 by @KoszarskyB (this record)
-    U-net skip connections                @brendanh0gan
-    FlexAttention with block masks        @KoszarskyB
-    attention window schedule             @fernbear.bsky.social; whole-block windows @YouJiacheng
-    value embeddings                      @KoszarskyB, after @Grad62304977's value residual; U-net
-                                          pattern @leloykun, 0 1 2 ... 0 1 2 @YouJiacheng
-    half-truncated rotary, attention-     @YouJiacheng
-    free block, Muon's async all-gather
+(124M) reproduction in PyTorch (45 minutes), and the people who raced it down since: each idea
+is credited where it is, in record 18's words.
 
 Run: ./run.sh (torchrun, one process per GPU); on a CPU: python train_gpt.py --preset smoke.
 Importing this file runs nothing: tests and tools import its parts.
@@ -324,10 +310,9 @@ class Muon(torch.optim.Optimizer):
         super().load_state_dict(dict(state_dict, state=state))
 
 # --------------------------------------------------------------------------------------------------
-# The model: a U-net GPT with value embeddings
+# PyTorch nn.Module definitions for the GPT-2 model
 
 def norm(x):
-    """RMS norm over the last dimension, without a learned weight."""
     return F.rms_norm(x, (x.size(-1),))
 
 def matmul(a, b, out_dtype=None):
@@ -340,95 +325,122 @@ def matmul(a, b, out_dtype=None):
     return torch.mm(a, b, out_dtype=out_dtype)
 
 class CastedLinear(nn.Linear):
-    """A linear layer without bias whose fp32 weight is cast to the activations' dtype at use."""
-    def __init__(self, in_features, out_features, zero_init=False):
+    def __init__(self, in_features, out_features):
         super().__init__(in_features, out_features, bias=False)
-        # zero-initialised projections and head: suggested by @Grad62304977
-        if zero_init:
-            nn.init.zeros_(self.weight)
 
     def forward(self, x):
         return matmul(x, self.weight.type_as(x).T)
 
 class Rotary(nn.Module):
-    """Rotary position embedding (RoFormer, Su et al.), half-truncated (@YouJiacheng): half of the
-    dimension pairs rotate, with frequencies from 1 down to 1/1024, the other half not at all."""
-    def __init__(self, head_dim, max_seq_len=65536):
+    def __init__(self, dim, max_seq_len=65536):
         super().__init__()
-        rotating = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4)
-        freqs = torch.cat([rotating, torch.zeros(head_dim // 4)])
-        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        # half-truncate RoPE by @YouJiacheng
+        angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=dim // 4, dtype=torch.float32)
+        angular_freq = torch.cat([angular_freq, angular_freq.new_zeros(dim // 4)])
+        t = torch.arange(max_seq_len, dtype=torch.float32)
+        theta = torch.outer(t, angular_freq)
         self.register_buffer("cos", theta.cos(), persistent=False)
         self.register_buffer("sin", theta.sin(), persistent=False)
 
     def forward(self, x, start=0):
-        """x: (batch, seq, heads, head_dim) at positions start onward; rotated in fp32."""
-        cos = self.cos[None, start:start + x.size(1), None, :]
-        sin = self.sin[None, start:start + x.size(1), None, :]
+        """x: (batch, seq, heads, head_dim) at positions start onward (a KVCache's), in fp32."""
+        cos = self.cos[None, start:start + x.size(-3), None, :]
+        sin = self.sin[None, start:start + x.size(-3), None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         y1 = x1 * cos + x2 * sin
-        y2 = -x1 * sin + x2 * cos
-        return torch.cat([y1, y2], dim=-1).type_as(x)
+        y2 = x1 * (-sin) + x2 * cos
+        return torch.cat((y1, y2), 3).type_as(x)
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim, num_heads):
         super().__init__()
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.q = CastedLinear(dim, dim)
-        self.k = CastedLinear(dim, dim)
-        self.v = CastedLinear(dim, dim)
-        # the mix of v and the value embedding: @KoszarskyB and @Grad62304977
+        self.c_q = CastedLinear(dim, dim)
+        self.c_k = CastedLinear(dim, dim)
+        self.c_v = CastedLinear(dim, dim)
         self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))
-        self.rotary = Rotary(self.head_dim)
-        self.proj = CastedLinear(dim, dim, zero_init=True)
+        # dim // num_heads = head_dim
+        self.rotary = Rotary(dim // num_heads)
+        self.c_proj = CastedLinear(dim, dim)
+        # zero init suggested by @Grad62304977
+        self.c_proj.weight.data.zero_()
 
-    def forward(self, x, value_embed, mask):
-        B, T, dim = x.shape[-3:]
-        start = mask.tokens.size(1) - T if isinstance(mask, KVCache) else 0
-        q = self.q(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k(x).view(B, T, self.num_heads, self.head_dim)
-        v = self.v(x).view(B, T, self.num_heads, self.head_dim)
-        # QK-norm (Dehghani et al., 2023), brought to the speedrun by @Grad62304977
-        q = self.rotary(norm(q), start)
-        k = self.rotary(norm(k), start)
-        v = self.lambdas[0] * v
-        if value_embed is not None:
-            v = v + self.lambdas[1] * value_embed.view_as(v)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if isinstance(mask, KVCache):
-            k, v, mask = mask.extend(self, k, v)
-        if isinstance(mask, BlockMask):
-            y = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5)
+    def forward(self, x, ve, block_mask):
+        # batch size, sequence length (a KVCache's batch of sequences: x is (1, batch, T, dim))
+        B, T = x.size(-3), x.size(-2)
+        start = block_mask.tokens.size(1) - T if isinstance(block_mask, KVCache) else 0
+        q = self.c_q(x).view(B, T, self.num_heads, -1)
+        k = self.c_k(x).view(B, T, self.num_heads, -1)
+        v = self.c_v(x).view(B, T, self.num_heads, -1)
+        # QK norm @Grad62304977
+        q, k = norm(q), norm(k)
+        q, k = self.rotary(q, start), self.rotary(k, start)
+        if ve is not None:
+            # @KoszarskyB & @Grad62304977
+            v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v)
+        else:
+            # skip mid-layers token value embeddings by @YouJiacheng
+            v = self.lambdas[0] * v
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if isinstance(block_mask, KVCache):
+            k, v, block_mask = block_mask.extend(self, k, v)
+        scale = q.size(-1) ** -0.5
+        if isinstance(block_mask, BlockMask):
+            y = flex_attention(q, k, v, block_mask=block_mask, scale=scale)
         else:
             # CPU: the same mask as a dense boolean matrix, and fp32 arithmetic on the bf16 values
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                               scale=self.head_dim ** -0.5).type_as(q)
-        return self.proj(y.transpose(1, 2).reshape(B, T, dim))
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                               attn_mask=block_mask, scale=scale).type_as(q)
+        # re-assemble all head outputs side by side
+        y = y.transpose(1, 2).contiguous().view_as(x)
+        y = self.c_proj(y)
+        return y
 
 class MLP(nn.Module):
     def __init__(self, dim):
         super().__init__()
-        self.fc = CastedLinear(dim, 4 * dim)
-        self.proj = CastedLinear(4 * dim, dim, zero_init=True)
+        self.c_fc = CastedLinear(dim, 4 * dim)
+        self.c_proj = CastedLinear(4 * dim, dim)
+        # zero init suggested by @Grad62304977
+        self.c_proj.weight.data.zero_()
 
     def forward(self, x):
-        # ReLU² (So et al., Primer, 2021): suggested by @SKYLINEZ007 and @Grad62304977
-        return self.proj(F.relu(self.fc(x)).square())
+        x = self.c_fc(x)
+        # https://arxiv.org/abs/2109.08668v2; ~1-2% better than GELU; suggested by @SKYLINEZ007 and
+        # @Grad62304977
+        x = F.relu(x).square()
+        x = self.c_proj(x)
+        return x
 
 class Block(nn.Module):
-    def __init__(self, dim, num_heads, has_attention):
+    def __init__(self, model_dim, num_heads, use_attn=True):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads) if has_attention else None
-        self.mlp = MLP(dim)
-        # the mix of the residual stream and the embedding x0
-        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
+        self.attn = CausalSelfAttention(model_dim, num_heads) if use_attn else None
+        self.mlp = MLP(model_dim)
+        self.lambdas = nn.Parameter(torch.tensor([1., 0.]))
 
-    def forward(self, x, value_embed, x0, mask):
+    def forward(self, x, ve, x0, block_mask):
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(norm(x), value_embed, mask)
-        return x + self.mlp(norm(x))
+            x = x + self.attn(norm(x), ve, block_mask)
+        x = x + self.mlp(norm(x))
+        return x
+
+class ValueEmbedding(nn.Module):
+    def __init__(self, vocab_size, model_dim, num_layers=12):
+        super().__init__()
+        self.num_layers = num_layers
+        self.embed = nn.ModuleList([nn.Embedding(vocab_size, model_dim) for _ in range(3)])
+
+    def forward(self, inputs):
+        ve = [emb(inputs) for emb in self.embed]
+        # 012 ... 012 structure on token value embeddings by @YouJiacheng, improved on @leloykun's
+        # U-net structure; 12 layers: [ve0, ve1, ve2, None x 6, ve0, ve1, ve2]
+        ve = [ve[0], ve[1], ve[2]] + [None] * (self.num_layers - 6) + [ve[0], ve[1], ve[2]]
+        return ve
+
+# --------------------------------------------------------------------------------------------------
+# The main GPT-2 model
 
 class GPT(nn.Module):
     # logit softcap (as in Gemma 2): tanh by @Grad62304977, lowered from 30 to 15 by @KoszarskyB;
@@ -438,26 +450,27 @@ class GPT(nn.Module):
     def __init__(self, vocab_size, num_layers, num_heads, model_dim, *, attention_free_layer=7,
                  bf16_embeds=True, fused_head_loss=False, head_chunk_rows=0):
         super().__init__()
-        self.num_layers = num_layers
         self.fused_head_loss = fused_head_loss
         self.head_chunk_rows = head_chunk_rows
         self.embed = nn.Embedding(vocab_size, model_dim)
-        # Value embeddings (@KoszarskyB): three more token tables, mixed into v. The first three
-        # layers use tables 0, 1, 2 and the last three use them again (U-net pattern by @leloykun,
-        # this one by @YouJiacheng); the layers between, none. 12 layers: 0 1 2 . . . . . . 0 1 2
-        self.value_embeds = nn.ModuleList(nn.Embedding(vocab_size, model_dim) for _ in range(3))
-        self.value_embed_pattern = [0, 1, 2] + [None] * (num_layers - 6) + [0, 1, 2]
-        # one block without attention (@YouJiacheng): the 8th by default
-        self.blocks = nn.ModuleList(
-            Block(model_dim, num_heads, has_attention=(i != attention_free_layer))
-            for i in range(num_layers))
-        # U-net (@brendanh0gan): encoder block i's output is added to its mirror decoder's input
-        self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))
-        # untied from the embedding; zero at first, so the step-0 loss is ln(vocab_size)
-        self.lm_head = CastedLinear(model_dim, vocab_size, zero_init=True)
+        # token value embeddings by @KoszarskyB - inspired by @Grad62304977's value residual learning
+        # U-net structure on token value embeddings by @leloykun
+        self.value_embeds = ValueEmbedding(vocab_size, model_dim, num_layers)
+        # skip attention of blocks.7 (the 8th layer) by @YouJiacheng
+        self.blocks = nn.ModuleList([Block(model_dim, num_heads, use_attn=(i != attention_free_layer))
+                                     for i in range(num_layers)])
+        # U-net design by @brendanh0gan
+        self.num_encoder_layers = num_layers // 2
+        self.num_decoder_layers = num_layers - self.num_encoder_layers
+        # Add learnable skip connection weights for decoder layers
+        self.skip_weights = nn.Parameter(torch.ones(self.num_decoder_layers))
+        self.lm_head = CastedLinear(model_dim, vocab_size)
+        # @Grad62304977; the step-0 loss is ln(vocab_size)
+        self.lm_head.weight.data.zero_()
         if bf16_embeds:
-            for table in [self.embed, *self.value_embeds]:
-                table.bfloat16()
+            for m in self.modules():
+                if isinstance(m, nn.Embedding):
+                    m.bfloat16()
 
     @classmethod
     def from_args(cls, args, device=torch.device("cpu")):
@@ -466,39 +479,47 @@ class GPT(nn.Module):
                    attention_free_layer=args.attention_free_layer, bf16_embeds=args.bf16_embeds,
                    fused_head_loss=fused_head_loss, head_chunk_rows=args.head_chunk_rows)
 
-    def forward(self, inputs, targets, window_blocks, cache=None):
+    def forward(self, inputs, targets, sliding_window_num_blocks, cache=None):
         """inputs: one packed sequence of token ids (a micro-batch's documents, each led by EOT);
         returns the mean loss of predicting targets or, targets None, the softcapped fp32 logits.
         With a KVCache: inputs (batch, T) go on from its sequences; the logits of their last."""
         assert inputs.ndim == 1 or cache is not None, "one packed sequence per device"
-        build_mask = build_block_mask if inputs.is_cuda else build_dense_mask
+        create_block_mask = build_block_mask if inputs.is_cuda else build_dense_mask
         if cache is not None:
-            build_mask = cache.append
-        mask = build_mask(inputs, window_blocks)
-        value_embeds = [table(inputs) for table in self.value_embeds]
-        # the norm of the embedding: @Grad62304977
-        x = x0 = norm(self.embed(inputs)[None])
-        half = self.num_layers // 2
-        skips = []
-        for i, block in enumerate(self.blocks):
-            # decoder: add the mirror-image encoder block's output
-            if i >= half:
-                x = x + self.skip_weights[i - half] * skips.pop()
-            table = self.value_embed_pattern[i]
-            value_embed = None if table is None else value_embeds[table]
-            x = block(x, value_embed, x0, mask)
-            if i < half:
-                skips.append(x)
+            create_block_mask = cache.append
+        block_mask = create_block_mask(inputs, sliding_window_num_blocks)
+
+        # use of norm here by @Grad62304977
+        x0 = norm(self.embed(inputs[None]))
+        x = x0
+        ve = self.value_embeds(inputs)
+        assert len(ve) == len(self.blocks)
+        ve_enc, ve_dec = ve[:self.num_encoder_layers], ve[self.num_encoder_layers:]
+
+        # Store outputs for U-Net skip connections
+        skip_connections = []
+        # Encoder pass - process only the first half of the blocks
+        for i in range(self.num_encoder_layers):
+            x = self.blocks[i](x, ve_enc[i], x0, block_mask)
+            skip_connections.append(x)
+        # Decoder pass - process the remaining blocks with weighted skip connections
+        for i in range(self.num_decoder_layers):
+            x = x + self.skip_weights[i] * skip_connections.pop()
+            # U-net structure on token value embeddings by @leloykun
+            x = self.blocks[self.num_encoder_layers + i](x, ve_dec[i], x0, block_mask)
+
+        x = norm(x)
         if cache is not None:
-            return self.logits(norm(x)[0, :, -1]).float()
+            return self.logits(x[0, :, -1]).float()
         # evaluation and sampling (evals/); training never takes this branch
         if targets is None:
-            return self.logits(norm(x)[0]).float()
-        return self.head_loss(norm(x)[0], targets)
+            return self.logits(x[0]).float()
+        return self.head_loss(x[0], targets)
 
     def logits(self, x):
         """The head's logits, softcapped into (-softcap, softcap)."""
-        return self.softcap * torch.tanh(self.lm_head(x) / self.softcap)
+        logits = self.lm_head(x)
+        return self.softcap * torch.tanh(logits / self.softcap)
 
     def head_loss(self, x, targets):
         if self.fused_head_loss:
@@ -515,9 +536,10 @@ class KVCache:
         self.length = length
         self.layers = {}
 
-    def append(self, tokens, window_blocks):
+    def append(self, tokens, sliding_window_num_blocks):
         self.tokens = torch.cat([self.tokens, tokens], 1)
-        self.mask = build_dense_mask(self.tokens, window_blocks, -tokens.size(1))[:, None]
+        self.mask = build_dense_mask(self.tokens, sliding_window_num_blocks, -tokens.size(1))
+        self.mask = self.mask[:, None]
         return self
 
     def extend(self, layer, k, v):
@@ -530,16 +552,19 @@ class KVCache:
 # --------------------------------------------------------------------------------------------------
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
 
-def may_attend(q, k, docs, window_blocks=None):
-    """The definition of the mask: query q may attend to key k exactly when k <= q, both lie in the
-    same document (docs: each token's), and k's block is fewer than window_blocks blocks before q's
-    (no window when None: where the block lists hold it). Both masks below apply it."""
-    attend = (k <= q) & (docs[q] == docs[k])
-    if window_blocks is not None:
-        attend = attend & (k // BLOCK_SIZE > q // BLOCK_SIZE - window_blocks)
+def may_attend(q_idx, kv_idx, docs, sliding_window_num_blocks=None):
+    """The definition of the mask: query q_idx may attend to key kv_idx exactly when kv_idx <= q_idx,
+    both lie in the same document (docs: each token's), and kv_idx's block is fewer than
+    sliding_window_num_blocks blocks before q_idx's (no window when None: where the block lists
+    hold it). Both masks below apply it."""
+    causal_mask = q_idx >= kv_idx
+    document_mask = docs[q_idx] == docs[kv_idx]
+    attend = causal_mask & document_mask
+    if sliding_window_num_blocks is not None:
+        attend = attend & (kv_idx // BLOCK_SIZE > q_idx // BLOCK_SIZE - sliding_window_num_blocks)
     return attend
 
-def build_dense_mask(inputs, window_blocks, start=0):
+def build_dense_mask(inputs, sliding_window_num_blocks, start=0):
     """The mask as a dense (T, T) boolean matrix: the CPU computes attention with it. Of a batch
     (batch, T) of sequences: (batch, T - start, T), the rows of positions start onward."""
     docs = (inputs == EOT).cumsum(inputs.ndim - 1)
@@ -547,61 +572,62 @@ def build_dense_mask(inputs, window_blocks, start=0):
     attend = may_attend
     if inputs.ndim == 2:
         attend = torch.vmap(may_attend, in_dims=(None, None, 0, None))
-    return attend(pos[start:, None], pos[None, :], docs, window_blocks)
+    return attend(pos[start:, None], pos[None, :], docs, sliding_window_num_blocks)
 
-def listed_rows(first, last, window_blocks):
+def dense_to_ordered(docs_low, docs_high, sliding_window_num_blocks):
     """For each query block (a row), the counts and lists of its partial and full key blocks, from
     the first and last document id of every block (nondecreasing). A full block needs no per-token
     test: it lies before the query block, and both lie wholly in one document. A partial block needs
-    the test. No sort is needed, since documents are contiguous and the window is a band: row q's
-    partial blocks are one run [start, q], or, when block q lies in one document, the run [start,
-    full_start) and q itself; its full blocks are the run [full_start, q). Lists are padded with q.
+    the test. Record 18 orders a dense block matrix with a sort; none is needed, since documents are
+    contiguous and the window is a band: row q's partial blocks are one run [start, q], or, when
+    block q lies in one document, the run [start, full_start) and q itself; its full blocks are
+    the run [full_start, q). Lists are padded with q.
 
     Five blocks, a window of 3 blocks; block 3 holds the end of document 1 and the start of 2:
-        block                  0     1     2     3     4
-        (first, last)        (1,1) (1,1) (1,1) (1,2) (2,2)
+        block                    0     1     2     3     4
+        (docs_low, docs_high)  (1,1) (1,1) (1,1) (1,2) (2,2)
         row 2: full [0, 1], partial [2]         all document 1; only the diagonal needs the test
         row 3: full [],     partial [1, 2, 3]   the window starts at 1; block 3 holds two documents
         row 4: full [],     partial [3, 4]      document 2 begins inside block 3
 """
-    q = torch.arange(len(first), device=first.device)[:, None]
+    q = torch.arange(len(docs_low), device=docs_low.device)[:, None]
     # the first block that reaches q's first document, and is inside the window
-    reaches_document = torch.searchsorted(last, first)[:, None]
-    start = torch.maximum(reaches_document, q - window_blocks + 1)
+    reaches_document = torch.searchsorted(docs_high, docs_low)[:, None]
+    start = torch.maximum(reaches_document, q - sliding_window_num_blocks + 1)
     # the first block that starts in q's document, when q lies in one document
-    starts_in_document = torch.searchsorted(first, first)[:, None]
+    starts_in_document = torch.searchsorted(docs_low, docs_low)[:, None]
     full_start = torch.maximum(starts_in_document, start)
-    full_start = torch.where((first == last)[:, None], full_start, q + 1)
-    full_count = (q - full_start).clamp(min=0)
+    full_start = torch.where((docs_low == docs_high)[:, None], full_start, q + 1)
+    full_num_blocks = (q - full_start).clamp(min=0)
     # a place in a row's list
     position = q.T
-    partial = torch.where(position < full_start - start, start + position, q)
-    full = torch.where(position < full_count, full_start + position, q)
-    partial_count = (q + 1 - start).clamp(min=0) - full_count
-    lists = (partial_count[:, 0], partial, full_count[:, 0], full)
+    indices = torch.where(position < full_start - start, start + position, q)
+    full_indices = torch.where(position < full_num_blocks, full_start + position, q)
+    num_blocks = (q + 1 - start).clamp(min=0) - full_num_blocks
+    lists = (num_blocks[:, 0], indices, full_num_blocks[:, 0], full_indices)
     return [t.to(torch.int32)[None, None].contiguous() for t in lists]
 
-def build_block_mask(inputs, window_blocks):
-    """FlexAttention's BlockMask for the dense mask above (FlexAttention in the speedrun:
-    @KoszarskyB; block-wise sliding window: @YouJiacheng), built from block-level facts, without a
-    sort: compiled, a sort can take minutes to build. Built in a compiled region, its mask_mod is
+def build_block_mask(inputs, sliding_window_num_blocks):
+    """FlexAttention's BlockMask for the dense mask above (use of FlexAttention contributed by
+    @KoszarskyB; block-wise sliding window by @YouJiacheng), built from block-level facts, without
+    a sort: compiled, a sort can take minutes to build. Built in a compiled region, its mask_mod is
     record 18's, without the window; outside one, the whole mask, as eager flex_attention needs."""
     docs = (inputs == EOT).cumsum(0)
-    first = docs[0::BLOCK_SIZE].contiguous()
-    last = docs[BLOCK_SIZE - 1::BLOCK_SIZE].contiguous()
-    num_blocks = len(first)
-    kv_lists = listed_rows(first, last, window_blocks)
+    docs_low = docs[0::BLOCK_SIZE].contiguous()
+    docs_high = docs[BLOCK_SIZE - 1::BLOCK_SIZE].contiguous()
+    total_num_blocks = len(docs_low)
+    kv_lists = dense_to_ordered(docs_low, docs_high, sliding_window_num_blocks)
     # The query-side lists (for the backward pass) are the rows of the mirror image: blocks reversed
-    # and document ids negated, so that its row r is our column num_blocks - 1 - r. They are given
-    # to the constructor, because from_kv_blocks would compute them with a sort.
-    partial_count, partial, full_count, full = listed_rows(-last.flip(0), -first.flip(0),
-                                                           window_blocks)
-    q_lists = [partial_count.flip(-1), num_blocks - 1 - partial.flip(-2), full_count.flip(-1),
-               num_blocks - 1 - full.flip(-2)]
+    # and document ids negated, so that its row r is our column total_num_blocks - 1 - r. They are
+    # given to the constructor, because from_kv_blocks would compute them with a sort.
+    q_num_blocks, q_indices, full_q_num_blocks, full_q_indices = dense_to_ordered(
+        -docs_high.flip(0), -docs_low.flip(0), sliding_window_num_blocks)
+    q_lists = [q_num_blocks.flip(-1), total_num_blocks - 1 - q_indices.flip(-2),
+               full_q_num_blocks.flip(-1), total_num_blocks - 1 - full_q_indices.flip(-2)]
 
     # compiled, FlexAttention applies it in partial blocks only: record 18's document-causal test,
     # the window in the block lists; uncompiled, it ignores the lists: the whole mask, window too
-    window = None if torch.compiler.is_compiling() else window_blocks
+    window = None if torch.compiler.is_compiling() else sliding_window_num_blocks
 
     def document_causal(b, h, q_idx, kv_idx):
         return may_attend(q_idx, kv_idx, docs, window)
@@ -611,10 +637,11 @@ def build_block_mask(inputs, window_blocks):
                      mask_mod=document_causal)
 
 # --------------------------------------------------------------------------------------------------
-# Data: token shards, and the loader that every rank walks in step
+# Our own simple Distributed Data Loader
 
 def load_data_shard(path):
-    """A shard's tokens, read straight into (with CUDA, pinned) memory (@YouJiacheng)."""
+    """A shard's tokens, read straight into (with CUDA, pinned) memory: avoid pin_memory copy and
+    bytes->array copy by @YouJiacheng."""
     num_tokens = read_shard_header(path)
     tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=torch.cuda.is_available())
     with open(path, "rb") as f:
@@ -626,96 +653,111 @@ def load_data_shard(path):
 class DistributedDataLoader:
     """All ranks walk one global token stream: of each batch, rank r takes the r-th share (and one
     more token, the last target). Shards are read in sorted name order, wrapping around, each by
-    read_shard (the trainer's checks each against what it was at start-up)."""
-    def __init__(self, files_pattern, rank, world_size, device, read_shard=load_data_shard):
-        self.files = sorted(glob.glob(files_pattern))
+    read_shard (the trainer's checks its token ids)."""
+    def __init__(self, filename_pattern, rank, world_size, device, read_shard=load_data_shard):
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.read_shard = read_shard
-        self.shard = None
+        self.files = sorted(glob.glob(filename_pattern))
+        self.current_shard = None
         self.reset()
 
-    def reset(self, shard=0, pos=0):
+    def reset(self, shard=0, position=0):
         """Go to a position in a shard, the start of the first by default. Evaluation comes back to
         shard 0 each time: the shard in memory is not read again."""
-        if shard != self.shard:
+        if shard != self.current_shard:
             self.tokens = self.read_shard(self.files[shard])
-        self.shard = shard
-        self.pos = pos
+        self.current_shard = shard
+        self.current_position = position
+
+    def advance(self):
+        self.reset((self.current_shard + 1) % len(self.files))
 
     def next_batch(self, batch_size):
         """This rank's share of the next batch: inputs (int32), targets (int64, shifted by one).
         (The trainer checks at start-up that every shard holds a batch.)"""
-        if self.pos + batch_size + 1 >= len(self.tokens):
-            self.reset((self.shard + 1) % len(self.files))
-        share = batch_size // self.world_size
-        start = self.pos + self.rank * share
-        chunk = self.tokens[start:start + share + 1]
-        self.pos += batch_size
-        inputs = chunk[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True)
-        targets = chunk[1:].to(device=self.device, dtype=torch.int64, non_blocking=True)
+        device_batch_size = batch_size // self.world_size
+        # load next shard if necessary
+        if self.current_position + batch_size + 1 >= len(self.tokens):
+            self.advance()
+        pos = self.current_position + self.rank * device_batch_size
+        device_batch_tokens = self.tokens[pos:pos + device_batch_size + 1]
+        # advance current position
+        self.current_position += batch_size
+        inputs = device_batch_tokens[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True)
+        targets = device_batch_tokens[1:].to(device=self.device, dtype=torch.int64, non_blocking=True)
         return inputs, targets
 
 # --------------------------------------------------------------------------------------------------
 # Schedules, optimisers and evaluation
 
-def lr_multiplier(step, args):
-    """1 at first; over the last cooldown_frac of the steps, a linear decay to 0."""
-    remaining = 1 - step / args.num_iterations
-    if remaining >= args.cooldown_frac:
+def get_lr(step, args):
+    """Learning rate schedule: stable then decay: 1 at first, then over the last cooldown_frac of
+    the steps a linear cooldown to 0."""
+    # time remaining in training
+    t = 1 - step / args.num_iterations
+    if t >= args.cooldown_frac:
         return 1.0
-    return remaining / args.cooldown_frac
+    return t / args.cooldown_frac
 
 def muon_momentum(step, args):
-    """Muon's momentum warms up linearly over the first muon_momentum_warmup_steps steps."""
+    """Momentum warmup for Muon: linear over the first muon_momentum_warmup_steps steps."""
     frac = 1
     if args.muon_momentum_warmup_steps > 0:
         frac = min(step / args.muon_momentum_warmup_steps, 1)
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
-def window_blocks_at(step, args):
-    """The attention window in whole blocks, growing linearly (@fernbear.bsky.social): 1 to 14."""
+def get_sliding_window_blocks(step, args):
+    """Sliding window size schedule: linear increase over training in chunks of 128, from 128 to
+    1792 tokens (1 to 14 blocks). By @fernbear.bsky.social"""
+    # training progress
     x = step / args.num_iterations
     return int(((1 - x) * args.window_start + x * args.window_end) // BLOCK_SIZE)
 
 def build_optimizers(model, args, compiled=False):
     """Adam (fused) for the embeddings, the head and the scalars; Muon for the block matrices."""
-    tables = [model.embed.weight, *(t.weight for t in model.value_embeds)]
-    scalars = [p for p in model.parameters() if p.ndim < 2]
-    adam_groups = [dict(params=tables, lr=args.embed_lr),
-                   dict(params=[model.lm_head.weight], lr=args.head_lr),
-                   dict(params=scalars, lr=args.scalar_lr)]
-    betas = (args.adam_beta1, args.adam_beta2)
-    adam = torch.optim.Adam(adam_groups, betas=betas, eps=args.adam_eps, fused=True)
-    matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
-    muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum, compiled=compiled)
-    for group in (*adam.param_groups, *muon.param_groups):
+    # collect the parameters to optimize
+    hidden_matrix_params = [p for p in model.blocks.parameters() if p.ndim == 2]
+    embed_params = [model.embed.weight, *model.value_embeds.parameters()]
+    scalar_params = [p for p in model.parameters() if p.ndim < 2]
+    head_params = [model.lm_head.weight]
+    # init the optimizer(s)
+    optimizer1 = torch.optim.Adam([dict(params=embed_params, lr=args.embed_lr),
+                                   dict(params=head_params, lr=args.head_lr),
+                                   dict(params=scalar_params, lr=args.scalar_lr)],
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                  fused=True)
+    optimizer2 = Muon(hidden_matrix_params, lr=args.muon_lr, momentum=args.muon_momentum,
+                      compiled=compiled)
+    for group in (*optimizer1.param_groups, *optimizer2.param_groups):
         group["initial_lr"] = group["lr"]
-    return adam, muon
+    return optimizer1, optimizer2
 
 @torch.no_grad()
-def evaluate(model, loader, args, val_batch, window_blocks):
+def evaluate(model, val_loader, args, val_batch_size, sliding_window_num_blocks):
     """The mean loss over the first val_tokens validation tokens, the same on every rank."""
     model.eval()
-    loader.reset()
-    steps = args.val_tokens // val_batch
-    total = sum(model(*loader.next_batch(val_batch), window_blocks) for _ in range(steps)) / steps
-    if loader.world_size > 1:
+    val_loader.reset()
+    # calculate the number of steps to take in the val loop.
+    val_steps = args.val_tokens // val_batch_size
+    val_loss = sum(model(*val_loader.next_batch(val_batch_size), sliding_window_num_blocks)
+                   for _ in range(val_steps)) / val_steps
+    if val_loader.world_size > 1:
         # gloo has no AVG
-        dist.all_reduce(total)
-        total /= loader.world_size
+        dist.all_reduce(val_loss)
+        val_loss /= val_loader.world_size
     model.train()
-    return total.item()
+    return val_loss.item()
 
 # --------------------------------------------------------------------------------------------------
 # Training
 
 def micro_batch_plan(args, world_size):
     """Each process's micro-batch, the micro-batches of a step, and the validation batch."""
-    share = args.batch_size // world_size
-    micro_batch = min(args.max_device_batch_size, share)
-    return micro_batch, share // micro_batch, world_size * args.max_device_batch_size
+    device_batch_size = args.batch_size // world_size
+    micro_bs = min(args.max_device_batch_size, device_batch_size)
+    return micro_bs, device_batch_size // micro_bs, world_size * args.max_device_batch_size
 
 def build_model(args, run):
     """The model (seeded), its optimisers, and the module that trains: compiled with static shapes
@@ -725,16 +767,16 @@ def build_model(args, run):
     # the fused head only where it computes what GPT.head_loss does (a fork may change that)
     check_fused_head(model, args.fused_head_loss, run.log)
     optimizers = build_optimizers(model, args, compiled=run.compiled)
-    train_model = model
+    ddp_model = model
     if run.compiled and args.regional_compile:
-        train_model = compile_regions(model)
+        ddp_model = compile_regions(model)
     elif run.compiled:
-        train_model = torch.compile(model, dynamic=False)
+        ddp_model = torch.compile(model, dynamic=False)
     if run.world_size > 1:
         device_ids = [run.device.index] if run.device.type == "cuda" else None
-        train_model = DDP(train_model, device_ids=device_ids, broadcast_buffers=False,
-                          gradient_as_bucket_view=True)
-    return model, train_model, optimizers
+        ddp_model = DDP(ddp_model, device_ids=device_ids, broadcast_buffers=False,
+                        gradient_as_bucket_view=True)
+    return model, ddp_model, optimizers
 
 # the first steps compile and warm up: train time starts after them, as in the record
 UNTIMED_STEPS = 10
@@ -744,53 +786,60 @@ def train(args, checkpoint=None, stop=None):
     keeps it safe (below the fence): checks, data, log and clock, the agreed stop, checkpoints."""
     with Run(args, checkpoint, stop) as run:
         train_loader, val_loader = run.train_loader, run.val_loader
-        micro_batch, accum_steps, val_batch = micro_batch_plan(args, run.world_size)
-        model, train_model, optimizers = build_model(args, run)
-        adam, muon = optimizers
+        micro_bs, accum_steps, val_batch_size = micro_batch_plan(args, run.world_size)
+        model, ddp_model, optimizers = build_model(args, run)
+        optimizer1, optimizer2 = optimizers
         start = run.resume(model, optimizers)
+        train_steps = args.num_iterations
         # a device tensor changed in place: the compiled graph sees a new value, not a new constant
-        window_blocks = torch.tensor(0, dtype=torch.int32, device=run.device)
-        for step in range(start, args.num_iterations + 1):
-            window_blocks.fill_(window_blocks_at(step, args))
+        sliding_window_num_blocks = torch.tensor(1, dtype=torch.int32, device=run.device)
+        for step in range(start, train_steps + 1):
+            sliding_window_num_blocks.fill_(get_sliding_window_blocks(step, args))
 
-            # --------------- VALIDATION AND CHECKPOINTS (not train time) ---------------
+            # --------------- VALIDATION SECTION (and checkpoints: not train time) -----------------
             due = run.due(step)
             if due.checkpoint or due.validation:
                 run.clock.pause()
                 if due.checkpoint:
                     run.save_checkpoint(step)
                 if due.validation:
-                    val_loss = evaluate(train_model, val_loader, args, val_batch, window_blocks)
+                    val_loss = evaluate(ddp_model, val_loader, args, val_batch_size,
+                                        sliding_window_num_blocks)
                     run.log_val_loss(step, val_loss)
                 run.clock.resume()
-            # the last step only validates; a stop ends after its checkpoint
+            # the last step only has the validation loop, so break to avoid training; a stop ends
+            # after its checkpoint
             if due.end:
                 break
 
-            # --------------- TRAINING SECTION ---------------
-            inputs, targets = train_loader.next_batch(args.batch_size)
+            # --------------- TRAINING SECTION -----------------
+            inputs_train, targets_train = train_loader.next_batch(args.batch_size)
             train_loss = 0
-            micro_batches = zip(inputs.split(micro_batch), targets.split(micro_batch))
-            for i, (micro_inputs, micro_targets) in enumerate(micro_batches):
+            micro_batches = zip(inputs_train.split(micro_bs), targets_train.split(micro_bs))
+            for i, (micro_inputs_train, micro_targets_train) in enumerate(micro_batches):
                 # DDP all-reduces the gradients once a step, in the last micro-batch's backward
                 gradient_sync = contextlib.nullcontext()
                 if run.world_size > 1 and i < accum_steps - 1:
-                    gradient_sync = train_model.no_sync()
+                    gradient_sync = ddp_model.no_sync()
                 with gradient_sync:
-                    loss = train_model(micro_inputs, micro_targets, window_blocks)
+                    loss = ddp_model(micro_inputs_train, micro_targets_train,
+                                     sliding_window_num_blocks)
                     # each loss is its micro-batch's mean: divided by their number, the summed
                     # gradients are the mean over the step's batch, whatever the process count
                     (loss / accum_steps).backward()
                 train_loss = train_loss + loss.detach()
-            for group in (*adam.param_groups, *muon.param_groups):
-                group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
-            for group in muon.param_groups:
+            # the learning rate schedule and the momentum warmup for Muon
+            for group in (*optimizer1.param_groups, *optimizer2.param_groups):
+                group["lr"] = group["initial_lr"] * get_lr(step, args)
+            for group in optimizer2.param_groups:
                 group["momentum"] = muon_momentum(step, args)
-            for optimizer in optimizers:
-                optimizer.step()
+            # step the optimizers
+            for opt in optimizers:
+                opt.step()
+            # null the gradients
             model.zero_grad(set_to_none=True)
 
-            # --------------- LOGGING ---------------
+            # --------------- LOGGING -----------------
             # rank 0's mean train loss, written without a wait for the device
             run.log_train_loss(step, train_loss / accum_steps)
         # peak memory, then HellaSwag with --hellaswag, outside train time
@@ -1720,10 +1769,25 @@ def load_checkpoint(argv, path):
         note += f"; options changed: {changes}"
     return args, dict(checkpoint, note=note)
 
+# names of parameters before this trainer took record 18's, and record 18's compiled model's prefix
+OLD_NAMES = [(r"^_orig_mod\.", ""), (r"^value_embeds\.(\d)\.", r"value_embeds.embed.\1."),
+             (r"\.attn\.([qkv])\.", r".attn.c_\1."), (r"\.(attn|mlp)\.proj\.", r".\1.c_proj."),
+             (r"\.mlp\.fc\.", ".mlp.c_fc.")]
+
+def current_names(weights):
+    """A checkpoint's weights under this model's names: from record 18's own checkpoints too, and
+    from this trainer's before it took record 18's names."""
+    renamed = {}
+    for name, tensor in weights.items():
+        for old, new in OLD_NAMES:
+            name = re.sub(old, new, name)
+        renamed[name] = tensor
+    return renamed
+
 def load_state(checkpoint, model, optimizers, where):
     """A checkpoint's weights and optimiser states loaded (each popped: freed); weights that do not
     fit are one line naming the first parameter that differs."""
-    weights = checkpoint.pop("model")
+    weights = current_names(checkpoint.pop("model"))
     ours = model.state_dict()
     for name in [*ours, *weights]:
         if name not in weights:
@@ -1904,8 +1968,8 @@ class Run(contextlib.AbstractContextManager):
         timing = (self.clock.ms if timed_steps else 0.0, timed_steps)
         loader = self.train_loader
         state = dict(step=step, model=self.model.state_dict(), optimizers=optimizer_states,
-                     loader=(loader.shard, loader.pos), timing=timing, args=asdict(self.args),
-                     source=SOURCE, source_sha256=SOURCE_SHA256, script=SCRIPT,
+                     loader=(loader.current_shard, loader.current_position), timing=timing,
+                     args=asdict(self.args), source=SOURCE, source_sha256=SOURCE_SHA256, script=SCRIPT,
                      run_id=self.log.run_id,
                      train_shards=train_shards(self.args, loader.files, self.sizes))
         path = os.path.join(self.args.log_dir, self.log.run_id, f"state_step{step:06d}.pt")

@@ -38,7 +38,7 @@ def val_loss_of_checkpoint(checkpoint, val, step):
     model = train_gpt.GPT.from_args(args)
     model.load_state_dict(state["model"])
     val = torch.tensor(val[:args.val_tokens + 1], dtype=torch.int64)
-    window = torch.tensor(train_gpt.window_blocks_at(step, args), dtype=torch.int32)
+    window = torch.tensor(train_gpt.get_sliding_window_blocks(step, args), dtype=torch.int32)
     chunk = args.max_device_batch_size
     with torch.no_grad():
         losses = [model(val[i:i + chunk].int(), val[i + 1:i + chunk + 1], window)

@@ -242,7 +242,7 @@ def op_names(graph_module):
 
 
 def test_the_documented_example_of_the_block_lists():
-    # listed_rows' docstring: five blocks, a window of 3; document 2 starts inside block 3. Read the
+    # dense_to_ordered's docstring: five blocks, a window of 3; document 2 starts inside block 3. Read the
     # full and partial blocks of each row off the token-level mask, then compare with the lists and
     # the text.
     tokens = torch.full((5 * BLOCK_SIZE,), 7)

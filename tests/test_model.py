@@ -28,11 +28,21 @@ def test_block_seven_has_no_attention_and_value_embeddings_follow_012_pattern():
     with torch.device("meta"):
         model = GPT(50304, 12, 6, 768)
     assert [block.attn is None for block in model.blocks] == [i == 7 for i in range(12)]
-    assert model.value_embed_pattern == [0, 1, 2] + [None] * 6 + [0, 1, 2]
+    assert value_embedding_tables(12) == [0, 1, 2] + [None] * 6 + [0, 1, 2]
     with torch.device("meta"):
         small = GPT(50304, 6, 2, 64)  # fewer than 8 layers: every block has attention
     assert all(block.attn is not None for block in small.blocks)
-    assert small.value_embed_pattern == [0, 1, 2, 0, 1, 2]
+    assert value_embedding_tables(6) == [0, 1, 2, 0, 1, 2]
+
+
+def value_embedding_tables(num_layers):
+    """Which of the three tables (each filled with its number) each layer's value embedding reads
+    (None: none), as the model of that depth builds it."""
+    value_embeds = GPT(16, num_layers, 1, 8).value_embeds
+    for k, table in enumerate(value_embeds.embed):
+        torch.nn.init.constant_(table.weight, k)
+    ve = value_embeds(torch.tensor([3]))
+    return [None if x is None else int(x[0, 0]) for x in ve]
 
 
 @pytest.mark.record18
@@ -73,7 +83,7 @@ def test_value_embeddings_reach_the_loss_only_in_their_layers():
     model = GPT(1024, 8, 2, 64, bf16_embeds=False)
     torch.nn.init.normal_(model.lm_head.weight, std=0.02)  # let gradients through the head
     for block in model.blocks:
-        for lin in (block.mlp.proj, *([block.attn.proj] if block.attn else [])):
+        for lin in (block.mlp.c_proj, *([block.attn.c_proj] if block.attn else [])):
             torch.nn.init.normal_(lin.weight, std=0.02)
     tokens = torch.randint(0, 1000, (256,))
     model(tokens, tokens.roll(-1), torch.tensor(2, dtype=torch.int32)).backward()

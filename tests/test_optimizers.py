@@ -7,7 +7,7 @@ import train_gpt
 from train_gpt import GPT
 from train_gpt import Muon
 from train_gpt import build_optimizers
-from train_gpt import lr_multiplier
+from train_gpt import get_lr
 from train_gpt import muon_momentum
 from train_gpt import parse_args
 
@@ -22,7 +22,7 @@ def test_optimizer_defaults_are_record_18s():
     assert adam.defaults["betas"] == (0.8, 0.95) and adam.defaults["eps"] == 1e-8
     embeds, head, scalars = adam.param_groups
     assert embeds["lr"] == 0.6 and head["lr"] == 0.008 and scalars["lr"] == 0.04
-    tables = [model.embed.weight, *(t.weight for t in model.value_embeds)]
+    tables = [model.embed.weight, *(t.weight for t in model.value_embeds.embed)]
     assert [id(p) for p in embeds["params"]] == [id(p) for p in tables]
     assert head["params"] == [model.lm_head.weight]
     assert {id(p) for p in scalars["params"]} == {id(p) for p in model.parameters() if p.ndim < 2}
@@ -43,9 +43,9 @@ def test_schedules_are_record_18s():
     )
     N = args.num_iterations
     # 1 - 834/1390 = 0.4: still flat
-    assert lr_multiplier(0, args) == lr_multiplier(834, args) == 1.0
-    assert lr_multiplier(1112, args) == pytest.approx((1 - 1112 / N) / 0.4)
-    assert lr_multiplier(N, args) == 0
+    assert get_lr(0, args) == get_lr(834, args) == 1.0
+    assert get_lr(1112, args) == pytest.approx((1 - 1112 / N) / 0.4)
+    assert get_lr(N, args) == 0
 
 
 def test_adam_eps_is_one_flag_away():

@@ -10,8 +10,8 @@ import train_gpt
 from train_gpt import PRESETS
 from train_gpt import Hyperparameters
 from train_gpt import check_hyperparameters
+from train_gpt import get_sliding_window_blocks
 from train_gpt import parse_args
-from train_gpt import window_blocks_at
 
 # option: values that parse but cannot work ({file} and {folder}: an existing file and folder)
 BAD = {
@@ -161,9 +161,8 @@ def test_smoke_preset_uses_every_part_and_fits_1_2_4_or_8_processes():
         model = train_gpt.GPT.from_args(args)
     # the attention-free block
     assert [block.attn is None for block in model.blocks].count(True) == 1
-    with_value_embeds = [
-        i for i in range(len(model.blocks)) if model.value_embed_pattern[i] is not None
-    ]
+    ve = model.value_embeds(torch.zeros(128, dtype=torch.int64, device="meta"))
+    with_value_embeds = [i for i in range(len(model.blocks)) if ve[i] is not None]
     # U-net skips
     assert 0 < len(with_value_embeds) < len(model.blocks) and len(model.skip_weights) >= 3
     for world_size in (1, 2, 4, 8):
@@ -171,7 +170,7 @@ def test_smoke_preset_uses_every_part_and_fits_1_2_4_or_8_processes():
         assert micro * accum_steps * world_size == args.batch_size
         assert accum_steps >= 2 or world_size > 1  # gradient accumulation on 1 process
     # the window grows through several block counts while training, to the whole sequence at the end
-    windows = [window_blocks_at(step, args) for step in range(args.num_iterations + 1)]
+    windows = [get_sliding_window_blocks(step, args) for step in range(args.num_iterations + 1)]
     assert windows == sorted(windows) and len(set(windows[:-1])) >= 3
     assert windows[-1] * train_gpt.BLOCK_SIZE >= args.max_device_batch_size
 
@@ -182,7 +181,7 @@ def test_windows_that_pass_the_check_hold_a_block_at_every_step(start, end):
         ["--window_start", str(start), "--window_end", str(end), "--num_iterations", "1390"]
     )
     check_hyperparameters(args)
-    assert min(window_blocks_at(step, args) for step in range(args.num_iterations + 1)) >= 1
+    assert min(get_sliding_window_blocks(step, args) for step in range(args.num_iterations + 1)) >= 1
 
 
 # process-count checks (micro_batch_plan): the values pass check_hyperparameters, the process count

@@ -301,13 +301,13 @@ def test_weights_that_do_not_fit_the_model_are_one_line(reference, tmp_path, cap
     written."""
     state = torch.load(reference[1][-1], weights_only=True)
     model = dict(state["model"])
-    model["blocks.0.mlp.fc.weight"] = torch.zeros(128, 16)
+    model["blocks.0.mlp.c_fc.weight"] = torch.zeros(128, 16)
     torch.save(dict(state, model=model), tmp_path / "wide.pt")
     argv = ["--resume", str(tmp_path / "wide.pt"), "--log_dir", str(tmp_path / "logs")]
     assert train_gpt.main(argv) == 1
     err = capsys.readouterr().err
     assert err == (f"error: --resume {str(tmp_path / 'wide.pt')!r}: its weights do not fit this "
-                   "model (blocks.0.mlp.fc.weight is [128, 16] in it, [64, 16] in this model): "
+                   "model (blocks.0.mlp.c_fc.weight is [128, 16] in it, [64, 16] in this model): "
                    "resume with the script and options that wrote it\n")
 
 

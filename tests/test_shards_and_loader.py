@@ -82,13 +82,13 @@ def test_loader_gives_exactly_the_batches_the_budget_counts(tmp_path):
     batch = 1024
     steps = 3
     loader = DistributedDataLoader(stream_shards(tmp_path, [steps * batch + 2]), 0, 1, CPU)
-    assert batches_before_wrap(loader.files, [steps * batch + 2], batch) == steps
+    assert batches_before_wrap(loader.files, {loader.files[0]: steps * batch + 2}, batch) == steps
     firsts = [loader.next_batch(batch)[0][0].item() for _ in range(steps + 1)]
     # three batches, then the stream starts over
     assert firsts == [0, 1024, 2048, 0]
     short_pattern = stream_shards(tmp_path / "..", [steps * batch + 1])
     short = DistributedDataLoader(short_pattern, 0, 1, CPU)
-    assert batches_before_wrap(short.files, [steps * batch + 1], batch) == steps - 1
+    assert batches_before_wrap(short.files, {short.files[0]: steps * batch + 1}, batch) == steps - 1
     assert [short.next_batch(batch)[0][0].item() for _ in range(steps)] == [0, 1024, 0]
 
 

@@ -29,7 +29,7 @@ def plain_loop_losses(args, steps):
     accum_steps = args.batch_size // micro_batch
     losses = []
     for step in range(steps):
-        window = torch.tensor(train_gpt.window_blocks_at(step, args), dtype=torch.int32)
+        window = torch.tensor(train_gpt.get_sliding_window_blocks(step, args), dtype=torch.int32)
         inputs, targets = loader.next_batch(args.batch_size)
         step_losses = []
         for start in range(0, args.batch_size, micro_batch):
@@ -38,7 +38,7 @@ def plain_loop_losses(args, steps):
             (loss / accum_steps).backward()
             step_losses.append(loss.item())
         for group in (*adam.param_groups, *muon.param_groups):
-            group["lr"] = group["initial_lr"] * train_gpt.lr_multiplier(step, args)
+            group["lr"] = group["initial_lr"] * train_gpt.get_lr(step, args)
         for group in muon.param_groups:
             group["momentum"] = train_gpt.muon_momentum(step, args)
         adam.step()
