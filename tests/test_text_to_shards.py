@@ -365,7 +365,20 @@ def test_bad_command_line_exits_2(args, capsys):
     argv = args if "--name" in args else [*args, "--name", "x"]
     with pytest.raises(SystemExit) as stop:
         text_to_shards.main(argv)
-    assert stop.value.code == 2 and "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+
+
+def test_more_workers_than_two_per_core_are_refused_in_one_line(capsys):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    most = 2 * cores
+    assert text_to_shards.parse_args(["x.txt", "--name", "x", "--workers", str(most)]).workers == most
+    with pytest.raises(SystemExit) as stop:
+        text_to_shards.main(["x.txt", "--name", "x", "--workers", str(most + 1)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (f"error: --workers must be between 1 and {most} (2 per core: "
+                                       "more workers than cores add processes, not speed); got "
+                                       f"{most + 1}; see --help\n")
 
 
 @needs_pyarrow
