@@ -13,6 +13,7 @@ import zlib
 import gpt2_tokenizer
 import helpers
 import hub
+import hub_stand_in
 import numpy as np
 import pytest
 import shards
@@ -20,7 +21,7 @@ import text_to_shards
 import tiktoken
 from helpers import REPO
 from helpers import finished_log
-from helpers import hub_environment
+from hub_stand_in import hub_environment
 from tiktoken_ext.openai_public import r50k_pat_str
 
 import train_gpt
@@ -434,8 +435,7 @@ def stand_in_environment(tmp_path, hub):
 
 
 def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
-    fetch_hub = pytest.importorskip("fetch_hub")
-    hub = fetch_hub.FakeHub(repo="someone/corpus", redirect=False)
+    hub = hub_stand_in.FakeHub(repo="someone/corpus", redirect=False)
     documents = corpus(60, seed=7)
     hub.add("README.md", CARD.encode())
     # listed out of order: read sorted by path
@@ -462,8 +462,7 @@ def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
 @pytest.mark.parametrize("lfs", [True, False])
 def test_hub_bytes_that_are_not_the_published_ones_are_refused_then_fetched_again(tmp_path, capsys,
                                                                                   lfs):
-    fetch_hub = pytest.importorskip("fetch_hub")
-    stand_in = fetch_hub.FakeHub(repo="someone/corpus", redirect=lfs)
+    stand_in = hub_stand_in.FakeHub(repo="someone/corpus", redirect=lfs)
     documents = corpus(60, seed=3)
     parts = [json_lines(documents[:30]).encode(), json_lines(documents[30:]).encode()]
     stand_in.add("data/a.jsonl", parts[0], lfs=lfs)
