@@ -92,6 +92,10 @@ class Workers:
             self.pool.submit(int).result()
         except BrokenProcessPool:
             raise WorkerError(self.death()) from None
+        # a fork refused: too little memory, or too many processes
+        except OSError as e:
+            self.stop(gracefully=False)
+            raise WorkerError(f"cannot start a {self.name} ({e.strerror or e})") from None
         # a stop that came meanwhile
         except BaseException:
             self.stop(gracefully=False)

@@ -1,5 +1,6 @@
 """data/text_to_shards.py when things go wrong around it: a tokenizing worker killed, failing or
-stuck, the run stopped by a signal or killed outright, an input changed since its shards were made
+stuck, the run stopped by a signal or killed outright (also while its workers start, or when a fork
+is refused), an input changed since its shards were made
 (or while they are made), the swap of new shards for old interrupted at any moment, a pipe or a
 device given as input or found in the output folder, a folder that cannot be listed. Each is
 checked against what the user is left with: the exit status, the last line, the files and their
@@ -626,6 +627,22 @@ def test_a_stop_signal_while_the_workers_are_forked_ends_the_forking_and_leaves_
         counting.clear()
         signal.signal(signal.SIGTERM, previous)
     assert len(forks) == 1
+    assert multiprocessing.active_children() == []
+
+
+def test_a_fork_refused_is_one_error_and_leaves_no_worker(monkeypatch):
+    fork = os.fork
+    forks = []
+
+    def fork_twice():
+        forks.append(1)
+        if len(forks) == 3:
+            raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        return fork()
+
+    monkeypatch.setattr(os, "fork", fork_twice)
+    with pytest.raises(workers.WorkerError, match=r"^cannot start a worker \(Resource temporarily"):
+        workers.Workers(4, abs)
     assert multiprocessing.active_children() == []
 
 
