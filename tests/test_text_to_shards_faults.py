@@ -1,11 +1,11 @@
 """data/text_to_shards.py when things go wrong around it: a tokenizing worker killed, failing or
 stuck, the run stopped by a signal or killed outright (also while its workers start, or when a fork
-is refused), an input changed since its shards were made
-(or while they are made), the swap of new shards for old interrupted at any moment, a pipe or a
-device given as input or found in the output folder, a folder that cannot be listed. Each is
-checked against what the user is left with: the exit status, the last line, the files and their
-bytes, and that no process stays behind. Runs that a signal must reach, or that could hang, are
-separate processes (slow); the rest run in this process.
+is refused), an input changed since its shards were made (or while they are made), the swap of new
+shards for old interrupted at any moment, a pipe or a device given as input or found in the output
+folder, a folder that cannot be listed. Each is checked against what the user is left with: the
+exit status, the last line, the files and their bytes, and that no process stays behind. Runs that
+a signal must reach, or that could hang, are separate processes (slow); the rest run in this
+process.
 
     python -m pytest tests/test_text_to_shards_faults.py -q"""
 import errno
