@@ -1,13 +1,10 @@
 #!/usr/bin/env python3
-"""Turn your own text into the token shards train_gpt.py reads: GPT-2's BPE (tiktoken), on every
-core.
+"""Your own text as the token shards train_gpt.py reads: GPT-2's BPE (tiktoken), on every core.
 
     python data/text_to_shards.py books/*.txt --out data/books --name books
     python data/text_to_shards.py a.jsonl b.jsonl.gz c.parquet more/ --out data/mine --name mine
-    python data/text_to_shards.py --hub HuggingFaceFW/fineweb-edu --hub_config sample-10BT \
-        --name edu
-    python train_gpt.py --train_files 'data/mine/mine_train_*.bin' \
-        --val_files 'data/mine/mine_val_*.bin'
+    python data/text_to_shards.py --hub HuggingFaceFW/fineweb-edu --hub_config sample-10BT --name edu
+    python train_gpt.py --train_files 'data/mine/mine_train_*.bin' --val_files 'data/mine/mine_val_*.bin'
 
 Inputs, read in the order given, each file's documents in file order: a text file is one document
 (its exact text; also gzipped), JSON Lines (.jsonl, .ndjson, .json, each also .gz) one per line in
@@ -25,9 +22,9 @@ whole documents until it holds at least --val_tokens, then NAME_train_000001.bin
 
 How it works, and why:
 - The main process reads the inputs in blocks of whole lines (CHUNK_BYTES) and hands them to
-  --workers processes (workers.py), which parse and tokenize them: answers come in input order,
-  a bounded number in flight, so memory stays flat and the bytes are the same for any worker count.
-  A worker that dies, fails (whatever it raised) or is stuck ends the run in one line.
+  --workers processes (workers.py), at most WORKERS_PER_CORE per core, which tokenize them: answers
+  come in input order, a bounded number in flight, so memory stays flat and the bytes are the same
+  for any worker count. A worker that dies, fails or is stuck ends the run in one line.
 - A shard is written under a temporary name and renamed into place once whole. text_to_shards.json
   records the inputs (size, modification and change time), the options and the finished shards:
   rerunning the same command after Ctrl-C, SIGTERM or SIGHUP keeps the finished shards and goes on
@@ -72,6 +69,7 @@ DEFAULT_VAL_TOKENS = 10_485_762
 DEFAULT_SHARD_TOKENS = 100_000_000
 # text per task: ~30 ms of one core's work, so handing it out costs under 1%
 CHUNK_BYTES = 1 << 18
+WORKERS_PER_CORE = 2
 MANIFEST = "text_to_shards.json"
 # where a dataset whose inputs changed is made anew, the old one kept until the new one is complete
 STAGING = ".text_to_shards.next"
@@ -535,12 +533,13 @@ def run(inputs, folder, manifest, encoding, count, lock):
     start = tuple(finished[-1]["end"]) if finished else (0, 1)
     writer = shards.ShardWriter(folder, manifest["name"], options["val_tokens"],
                                 options["shard_tokens"], place, publish, len(finished))
+    encode_task = functools.partial(encode_pieces, encoding=encoding,
+                                    text_field=options["text_field"])
+    # forked before tqdm starts its thread
+    pool = workers.Workers(count, encode_task, lock, "tokenizing worker")
     bar = tqdm(unit=" docs", file=sys.stderr, smoothing=0.1)
     began = time.perf_counter()
     made = 0
-    encode_task = functools.partial(encode_pieces, encoding=encoding,
-                                    text_field=options["text_field"])
-    pool = workers.Workers(count, encode_task, lock, "tokenizing worker")
     try:
         for answer in pool.answers(tasks(pieces(inputs, options["text_field"], start))):
             if answer[0] == "error":
@@ -592,6 +591,8 @@ def parse_args(argv):
         prog="text_to_shards.py", description="Tokenize text files, JSON Lines, Parquet or a hub "
         "dataset into train_gpt.py's shards.",
         epilog="Example: python data/text_to_shards.py corpus.jsonl.gz --out data/mine --name mine")
+    # a bad command line is one line, not the usage and then the error
+    parser.error = lambda message: parser.exit(2, f"error: {message}; see --help\n")
     parser.add_argument("inputs", nargs="*", metavar="INPUT", help="text files (a document each), "
                         "JSON Lines (.jsonl, .jsonl.gz), Parquet, folders")
     parser.add_argument("--name", required=True,
@@ -605,8 +606,9 @@ def parse_args(argv):
                         help="at most this many tokens per train shard (default: %(default)s)")
     # the cores this process may use
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    parser.add_argument("--workers", type=int, default=cores or 1,
-                        help="tokenizing processes (default: every core, %(default)s here)")
+    most = WORKERS_PER_CORE * (cores or 1)
+    parser.add_argument("--workers", type=int, default=cores or 1, help="tokenizing processes "
+                        f"(default: every core, %(default)s here; at most {most})")
     parser.add_argument("--tokenizer", metavar="FILE", help="a tiktoken ranks file of GPT-2's BPE "
                         "(gpt2.tiktoken), for use offline")
     parser.add_argument("--text_field", default="text", help="the JSON field or Parquet column "
@@ -633,8 +635,9 @@ def parse_args(argv):
         value = getattr(args, option)
         if not 1 <= value <= shards.MAX_TOKENS:
             parser.error(f"--{option} must be between 1 and {shards.MAX_TOKENS:,}; got {value}")
-    if args.workers < 1:
-        parser.error(f"--workers must be at least 1; got {args.workers}")
+    if not 1 <= args.workers <= most:
+        parser.error(f"--workers must be between 1 and {most} ({WORKERS_PER_CORE} per core: more "
+                     f"workers than cores add processes, not speed); got {args.workers}")
     args.out = args.out or HERE / args.name
     return args
 

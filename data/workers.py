@@ -5,13 +5,15 @@ beyond it.
   out, so that memory stays flat whatever the input.
 - A worker that dies ends the work in one line naming it and how it died (the pool says that one
   died, not which). One that cannot finish a task answers so, whatever was raised (pyo3's
-  PanicException, a Rust panic, is no Exception). One that is stuck is found too: each worker
-  beats into memory it shares with the run (its pid, its main thread's CPU seconds, the tasks it
-  began and finished), and one that has held a task for STUCK_SECONDS without progress is stuck
-  (in a Rust panic holding the GIL, say, or waiting on nothing).
-- Workers never outlive the run: on Linux the kernel kills them when it ends, even by SIGKILL;
-  elsewhere they leave once it is gone. Ctrl-C and a closed terminal are the run's to handle, and a
-  lock that the run holds is not theirs (a forked copy of its descriptor would hold it).
+  PanicException, a Rust panic, is no Exception). One that is stuck ends it too, on Linux: an
+  answer awaited for STUCK_SECONDS in which no worker used the CPU (as /proc counts it) is one that
+  no worker is making (a Rust panic holding the GIL, say, or a wait on nothing).
+- A stop (Ctrl-C, SIGTERM, a closed terminal) is the run's to handle, at once, even while the
+  workers are forked: it stops the run between two forks (Worker). The workers ignore Ctrl-C and a
+  closed terminal.
+- Workers never outlive the run: on Linux the kernel kills them when it ends, even by SIGKILL, and
+  one that starts after the run ended leaves at once; elsewhere they leave once it is gone. A lock
+  that the run holds is not theirs (a forked copy of its descriptor would hold it).
 """
 
 import collections
@@ -25,16 +27,13 @@ import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 
-import numpy as np
-
 IN_FLIGHT = 4
 STUCK_SECONDS = 10
-# what the run stops on: only noted while the workers are forked (see Workers)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-BEAT_SECONDS = 0.5
-# a worker's row in the memory it shares with the run
-PID, CPU, BEGUN, DONE = range(4)
-# in a worker: its function and its row
+LINUX = sys.platform.startswith("linux")
+# Linux: fork, quick to start and nothing to pickle; elsewhere, the platform's default
+BASE = multiprocessing.get_context("fork" if LINUX else None)
+# in a worker: the function it answers with
 WORKER = {}
 
 
@@ -42,23 +41,12 @@ class WorkerError(Exception):
     """A worker died, failed or is stuck: the message says which, and how."""
 
 
-class Workers:
-    """`count` processes answering function(task) for the tasks given to answers()."""
+class Worker(BASE.Process):
+    """A worker process. While it is forked, a stop signal is only noted: the run's handler would
+    raise inside a fork's hooks (where Python prints the exception and forks on) or half-way
+    through the start. It is raised again once the fork is done, before the next one."""
 
-    def __init__(self, count, function, lock=None, name="worker"):
-        # Linux: fork, quick to start and nothing to pickle; elsewhere, the platform's default
-        context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
-        forked = context.get_start_method() == "fork"
-        self.count = count
-        self.name = name
-        shared = context.RawArray("d", 4 * count)
-        self.rows = np.frombuffer(shared).reshape(count, 4)
-        # pid: (CPU seconds, tasks done, when either last moved)
-        self.progress = {}
-        arguments = (function, shared, context.Value("i", 0), os.getpid(), lock if forked else None)
-        self.pool = concurrent.futures.ProcessPoolExecutor(count, context, start, arguments)
-        # Started now, a stop signal only noted meanwhile, then raised again: the run's handler,
-        # run inside an at-fork hook, would raise there, where Python prints it and goes on.
+    def start(self):
         noted = []
 
         def note(signum, frame):
@@ -68,19 +56,53 @@ class Workers:
         if threading.current_thread() is threading.main_thread():
             handlers = {signum: signal.signal(signum, note) for signum in STOP_SIGNALS}
         try:
-            try:
-                self.pool.submit(int).result()
-            finally:
-                for signum, handler in handlers.items():
-                    signal.signal(signum, handler)
-                if noted:
-                    signal.raise_signal(noted[0])
+            super().start()
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            if noted:
+                signal.raise_signal(noted[0])
+
+
+class Context(type(BASE)):
+    """The pool's start method, its processes Workers, each kept in `created` (the pool's own list
+    misses one whose start a stop cut short)."""
+
+    def __init__(self):
+        self.created = []
+
+    def Process(self, *args, **kwargs):
+        worker = Worker(*args, **kwargs)
+        self.created.append(worker)
+        return worker
+
+
+class Workers:
+    """`count` processes answering function(task) for the tasks given to answers()."""
+
+    def __init__(self, count, function, lock=None, name="worker"):
+        self.count = count
+        self.name = name
+        self.context = Context()
+        lock = lock if self.context.get_start_method() == "fork" else None
+        arguments = (function, os.getpid(), lock)
+        self.pool = concurrent.futures.ProcessPoolExecutor(count, self.context, start, arguments)
+        try:
+            # forks them all (the pool does, for the fork start method), and waits for one
+            self.pool.submit(int).result()
         except BrokenProcessPool:
             raise WorkerError(self.death()) from None
-        # a stop that came meanwhile, raised as the signals are let through
+        # a fork refused: too little memory, or too many processes
+        except OSError as e:
+            self.stop(gracefully=False)
+            raise WorkerError(f"cannot start a {self.name} ({e.strerror or e})") from None
+        # a stop that came meanwhile
         except BaseException:
             self.stop(gracefully=False)
             raise
+
+    def started(self):
+        return [worker for worker in self.context.created if worker.pid is not None]
 
     def answers(self, tasks):
         """function(task) for each task, in order; an error raised by `tasks` comes after the
@@ -107,12 +129,14 @@ class Workers:
             yield self.answer(window.popleft())
 
     def answer(self, future):
-        """The future's answer; meanwhile, every second, a look for a stuck worker."""
+        """The future's answer; meanwhile, every second, a look for a dead or stuck worker."""
+        # the workers' CPU time, and when it last moved
+        progress = None
         while True:
             try:
                 finished, answer = future.result(timeout=1)
             except concurrent.futures.TimeoutError:
-                self.look_for_a_stuck_worker()
+                progress = self.look_for_a_dead_or_stuck_worker(progress)
                 continue
             except BrokenProcessPool:
                 raise WorkerError(self.death()) from None
@@ -122,30 +146,36 @@ class Workers:
                 raise WorkerError(f"a {self.name} failed ({answer})")
             return answer
 
-    def look_for_a_stuck_worker(self):
-        """A dead worker (the pool may not see it: a worker killed while it sent an answer leaves
-        the pool waiting for the rest), or one without progress for STUCK_SECONDS, is an error."""
-        if any(p.exitcode is not None for p in list(self.pool._processes.values())):
+    def look_for_a_dead_or_stuck_worker(self, progress):
+        """A dead worker (the pool may not see it: one killed while it sent an answer leaves the
+        pool waiting for the rest), or no worker using the CPU for STUCK_SECONDS, is an error; else
+        the new progress."""
+        if any(worker.exitcode is not None for worker in self.started()):
             raise WorkerError(self.death())
+        if not LINUX:
+            return None
         now = time.monotonic()
-        for pid, cpu, begun, done in self.rows:
-            moved = self.progress.get(pid)
-            if moved is None or begun == done or cpu - moved[0] > 0.05 or done != moved[1]:
-                self.progress[pid] = cpu, done, now
-            elif now - moved[2] > STUCK_SECONDS:
-                raise WorkerError(f"a {self.name} (pid {int(pid)}) stopped answering (no progress "
-                                  f"in {STUCK_SECONDS} s)")
+        ticks = cpu_ticks(self.started())
+        if progress is None or ticks != progress[0]:
+            return ticks, now
+        if now - progress[1] > STUCK_SECONDS:
+            raise WorkerError(f"a {self.name} stopped answering (no worker used the CPU in "
+                              f"{STUCK_SECONDS} s)")
+        return progress
 
     def death(self):
-        """Which worker died, and how (the pool terminates the others with SIGTERM); then the others
-        are ended."""
-        processes = list(self.pool._processes.values())
-        # the pool can see a death (half an answer) a moment before the process's end is known
-        deadline = time.monotonic() + 1
-        while all(p.exitcode is None for p in processes) and time.monotonic() < deadline:
+        """Which worker died, and how; then the others are ended."""
+        started = self.started()
+        # the pool ends the others with SIGTERM, and the exit of one may be known a moment later
+        # than the pool's news of it, or than theirs
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            exited = [worker for worker in started if worker.exitcode is not None]
+            died = [worker for worker in exited if worker.exitcode != -signal.SIGTERM]
+            if died or len(exited) == len(started):
+                break
             time.sleep(0.01)
-        exited = [p for p in processes if p.exitcode is not None]
-        victim = ([p for p in exited if p.exitcode != -signal.SIGTERM] or exited or processes)[0]
+        victim = (died or exited or started)[0]
         code = victim.exitcode
         self.stop(gracefully=False)
         if code is not None and code < 0:
@@ -159,17 +189,30 @@ class Workers:
         can write to the pipe of answers: this process's end of it is closed, so that the pool's
         thread, if a killed worker left it waiting for the rest of an answer, reads its end."""
         if not gracefully:
-            processes = list((self.pool._processes or {}).values())
-            for process in processes:
-                process.kill()
-            for process in processes:
-                process.join()
+            started = self.started()
+            for worker in started:
+                worker.kill()
+            for worker in started:
+                worker.join()
             if self.pool._result_queue is not None:
                 self.pool._result_queue._writer.close()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def start(function, shared, rows_taken, parent, lock):
+def cpu_ticks(processes):
+    """The CPU time that the processes used so far, in clock ticks (/proc/PID/stat's utime and
+    stime, the 14th and 15th fields)."""
+    ticks = 0
+    for process in processes:
+        try:
+            with open(f"/proc/{process.pid}/stat") as f:
+                ticks += sum(map(int, f.read().rsplit(")", 1)[1].split()[11:13]))
+        except OSError:
+            pass
+    return ticks
+
+
+def start(function, parent, lock):
     """The pool's initializer, in each worker."""
     if lock is not None:
         os.close(lock)
@@ -177,33 +220,27 @@ def start(function, shared, rows_taken, parent, lock):
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # a stop signal sent to a worker alone kills it (the run then says so)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform.startswith("linux"):
+    if LINUX:
         # PR_SET_PDEATHSIG: the kernel kills this process when the run ends
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
-    with rows_taken.get_lock():
-        row = np.frombuffer(shared).reshape(-1, 4)[rows_taken.value]
-        rows_taken.value += 1
-    row[PID] = os.getpid()
-    WORKER.update(function=function, row=row)
-    threading.Thread(target=beat, args=(row, parent), daemon=True).start()
+    else:
+        threading.Thread(target=leave_with, args=(parent,), daemon=True).start()
+    # the run ended before this worker could ask for that
+    if os.getppid() != parent:
+        os._exit(1)
+    WORKER["function"] = function
 
 
-def beat(row, parent):
-    """The main thread's CPU seconds into the worker's row every BEAT_SECONDS, until the run is
-    gone (where the kernel does not end this process with it)."""
+def leave_with(parent):
+    """End this worker once the run is gone (where the kernel does not end it with the run)."""
     while os.getppid() == parent:
-        row[CPU] = time.process_time() - time.thread_time()
-        time.sleep(BEAT_SECONDS)
+        time.sleep(0.5)
     os._exit(1)
 
 
 def work(task):
     """(True, function(task)), or (False, why) for a task the worker cannot finish."""
-    row = WORKER["row"]
-    row[BEGUN] += 1
     try:
         return True, WORKER["function"](task)
     except BaseException as error:  # noqa: BLE001 - told to the run, which then ends the workers
         return False, f"{type(error).__name__}: {error}"
-    finally:
-        row[DONE] += 1

@@ -5,7 +5,6 @@ import atexit
 import contextlib
 import fcntl
 import glob
-import importlib
 import importlib.util
 import inspect
 import json
@@ -283,33 +282,6 @@ def at_step(monkeypatch, actions):
         return agreed(self, step)
 
     monkeypatch.setattr(train_gpt.CleanStop, "agreed", with_action)
-
-
-@contextlib.contextmanager
-def hub_environment(env):
-    """os.environ as `env`, and huggingface_hub's constants read from it again, as a fresh process
-    reads them on import (HF_ENDPOINT, say); afterwards both as they were, the client's
-    connections closed and its progress bars as they were, as at a process's end."""
-    import huggingface_hub
-    from huggingface_hub import constants
-    from huggingface_hub.utils import are_progress_bars_disabled
-
-    bars_off = are_progress_bars_disabled()
-    saved = dict(os.environ)
-    for name in set(saved) - set(env):
-        del os.environ[name]
-    os.environ.update(env)
-    importlib.reload(constants)
-    try:
-        yield
-    finally:
-        huggingface_hub.close_session()
-        for name in set(os.environ) - set(saved):
-            del os.environ[name]
-        os.environ.update(saved)
-        importlib.reload(constants)
-        if not bars_off:
-            huggingface_hub.utils.enable_progress_bars()
 
 
 # --- GPT-2's BPE ranks, for the tests that tokenise offline --------------------------------------

@@ -1,6 +1,6 @@
 """data/cached_fineweb10B.py with the real huggingface_hub client, against a stand-in of the hub's
 download protocol and of the one API call the script makes (dataset_info, for the published
-sha256 of each shard) on 127.0.0.1 (data/fetch_hub.py). Offline: HF_ENDPOINT points at the
+sha256 of each shard) on 127.0.0.1 (hub_stand_in.py). Offline: HF_ENDPOINT points at the
 stand-in, HF_HOME/HF_HUB_CACHE into tmp_path.
 
 Most runs call the script's main() in this process, with the environment a fresh process would
@@ -27,18 +27,17 @@ import time
 from pathlib import Path
 
 import cached_fineweb10B
-import fetch_hub
 import files
+import hub_stand_in
 import numpy as np
 import pytest
-from helpers import hub_environment
 from helpers import launch_env
 from helpers import run_process
+from hub_stand_in import hub_environment
 
 ROOT = Path(__file__).resolve().parents[1]
-# the stand-in hub, in data/ beside the tool it stands in for
-FakeHub = fetch_hub.FakeHub
-random_shard = fetch_hub.random_shard
+FakeHub = hub_stand_in.FakeHub
+random_shard = hub_stand_in.random_shard
 try:  # the trainer's reader has the last word on what counts as a readable shard
     train_gpt = importlib.import_module("train_gpt")
 except ImportError:
@@ -204,7 +203,7 @@ def test_second_run_downloads_nothing_and_needs_no_network(hub, tmp_path):
 
     again = fetch(hub, tmp_path, "2")
     assert again.returncode == 0, again.stderr
-    assert hub.requests() == []  # not a single request, let alone a file GET
+    assert hub.log == []  # not a single request, let alone a file GET
     assert "downloaded 0" in again.stdout
 
     hub.stop()  # and with the hub gone it still succeeds
@@ -243,7 +242,7 @@ def test_resumes_after_a_dropped_connection(hub, tmp_path, no_retry_pause):
     # shard is 12 MB and the connection drops 10.5 MB in; the retry must ask for the rest only.
     chunk, cut = 10 * 2**20, 11_000_000
     hub.add(
-        train(2), random_shard(6_000_000, seed=2), mode="drop", cut=cut, then="serve"
+        train(2), random_shard(6_000_000, seed=2), cut=cut, then="serve"
     )
     result = fetch(hub, tmp_path, "2")
     assert result.returncode == 0, result.stderr
@@ -289,8 +288,8 @@ def test_sister_dataset_and_default_folder_beside_the_script(tmp_path):
 @pytest.mark.parametrize("corruption", ["corrupt", "short"])
 def test_bad_shard_on_the_hub_is_rejected(hub, tmp_path, corruption):
     if corruption == "corrupt":
-        # The magic number is flipped.
-        hub.add(train(2), hub.served(train(2)), mode="corrupt")
+        # The magic number is flipped (and the hub publishes the hash of those bytes).
+        hub.add(train(2), (20240521).to_bytes(4, "little") + hub.served(train(2))[4:])
         why = "magic number 20240521"
     else:
         # The header promises more tokens than follow.
@@ -307,7 +306,8 @@ def test_bad_shard_on_the_hub_is_rejected(hub, tmp_path, corruption):
 def test_shard_with_changed_bytes_is_rejected_by_its_hash(hub, tmp_path):
     # Right size, right header, two token bytes changed; the hub publishes the true bytes' sha256.
     true_bytes = hub.served(train(2))
-    hub.add(train(2), true_bytes, mode="tampered")
+    flipped = bytes(b ^ 0xFF for b in true_bytes[1030:1032])
+    hub.files[train(2)].data = true_bytes[:1030] + flipped + true_bytes[1032:]
     served = hub.served(train(2))
     assert len(served) == len(true_bytes) and served[:1024] == true_bytes[:1024]
     assert served != true_bytes
@@ -332,7 +332,7 @@ def test_present_shards_are_rehashed_only_with_verify(hub, tmp_path):
     # By default a present shard is judged by header and size: kept, no network.
     plain = fetch(hub, tmp_path, "1")
     assert plain.returncode == 0, plain.stderr
-    assert hub.requests() == [] and (dest / train(1)).read_bytes() == changed
+    assert hub.log == [] and (dest / train(1)).read_bytes() == changed
     # --verify compares it with the hub's sha256, deletes it and fetches the true bytes.
     verified = fetch(hub, tmp_path, "1", "--verify")
     assert verified.returncode == 0, verified.stderr
@@ -371,7 +371,7 @@ def test_unreachable_hub_is_reported_and_good_shards_are_kept(hub, tmp_path):
 @pytest.mark.parametrize("first", [True, False], ids=["first-missing", "later"])
 def test_file_missing_on_the_hub(hub, tmp_path, first):
     absent = train(1) if first else train(2)
-    hub.add(absent, b"", mode="missing")
+    del hub.files[absent]
     if first:  # the run's first request (the reachability probe) is for the absent file
         (tmp_path / "data").mkdir()
         (tmp_path / "data" / VAL).write_bytes(hub.served(VAL))
@@ -399,7 +399,7 @@ def test_bad_command_line(hub, tmp_path, args):
         "100": "between 0 and 99",
     }
     assert expected[args[0]] in result.stderr
-    assert hub.requests() == []
+    assert hub.log == []
 
 
 def test_an_empty_dir_is_refused_in_one_line(hub, tmp_path, capsys):
@@ -408,7 +408,7 @@ def test_an_empty_dir_is_refused_in_one_line(hub, tmp_path, capsys):
         cached_fineweb10B.main(["2", "--dir", ""])
     assert stop.value.code == 2
     assert capsys.readouterr().err == "error: argument --dir: empty: give a folder's path; see --help\n"
-    assert hub.requests() == []
+    assert hub.log == []
 
 
 @pytest.mark.parametrize("what", ["read-only", "record-is-a-folder", "staging-is-a-file"])
@@ -440,7 +440,7 @@ def test_a_folder_the_run_cannot_write_in_is_one_line(hub, tmp_path, monkeypatch
 
 def test_dropped_connection_leaves_no_shard(hub, tmp_path, no_retry_pause):
     # The server cuts the body after 3000 bytes and refuses the client's resume request.
-    hub.add(train(2), hub.served(train(2)), mode="drop", cut=3000, then="fail")
+    hub.add(train(2), hub.served(train(2)), cut=3000, then="fail")
     result = fetch(hub, tmp_path, "2", "--workers", "1")
     assert_clean_failure(result, "503", train(2), "are kept")
     gets = [r for r in hub.file_gets() if r.filename == train(2)]
@@ -492,7 +492,7 @@ def test_interrupted_download_leaves_no_shard(hub, tmp_path, sig):
     """In a process of its own: the signal ends it."""
     good = hub.served(train(1))
     # The server sends 3000 bytes, then hangs; the client would wait 60 s before retrying.
-    hub.add(train(1), good, mode="stall", cut=3000)
+    hub.add(train(1), good, cut=3000, then="stall")
     env = env_for(hub.endpoint, tmp_path, download_timeout=60)
     proc = subprocess.Popen(command(tmp_path, "1", "--workers", "1"), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

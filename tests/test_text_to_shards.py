@@ -13,6 +13,7 @@ import zlib
 import gpt2_tokenizer
 import helpers
 import hub
+import hub_stand_in
 import numpy as np
 import pytest
 import shards
@@ -20,7 +21,7 @@ import text_to_shards
 import tiktoken
 from helpers import REPO
 from helpers import finished_log
-from helpers import hub_environment
+from hub_stand_in import hub_environment
 from tiktoken_ext.openai_public import r50k_pat_str
 
 import train_gpt
@@ -365,7 +366,20 @@ def test_bad_command_line_exits_2(args, capsys):
     argv = args if "--name" in args else [*args, "--name", "x"]
     with pytest.raises(SystemExit) as stop:
         text_to_shards.main(argv)
-    assert stop.value.code == 2 and "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+
+
+def test_more_workers_than_two_per_core_are_refused_in_one_line(capsys):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    most = 2 * cores
+    assert text_to_shards.parse_args(["x.txt", "--name", "x", "--workers", str(most)]).workers == most
+    with pytest.raises(SystemExit) as stop:
+        text_to_shards.main(["x.txt", "--name", "x", "--workers", str(most + 1)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (f"error: --workers must be between 1 and {most} (2 per core: "
+                                       "more workers than cores add processes, not speed); got "
+                                       f"{most + 1}; see --help\n")
 
 
 @needs_pyarrow
@@ -421,8 +435,7 @@ def stand_in_environment(tmp_path, hub):
 
 
 def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
-    fetch_hub = pytest.importorskip("fetch_hub")
-    hub = fetch_hub.FakeHub(repo="someone/corpus", redirect=False)
+    hub = hub_stand_in.FakeHub(repo="someone/corpus", redirect=False)
     documents = corpus(60, seed=7)
     hub.add("README.md", CARD.encode())
     # listed out of order: read sorted by path
@@ -449,8 +462,7 @@ def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
 @pytest.mark.parametrize("lfs", [True, False])
 def test_hub_bytes_that_are_not_the_published_ones_are_refused_then_fetched_again(tmp_path, capsys,
                                                                                   lfs):
-    fetch_hub = pytest.importorskip("fetch_hub")
-    stand_in = fetch_hub.FakeHub(repo="someone/corpus", redirect=lfs)
+    stand_in = hub_stand_in.FakeHub(repo="someone/corpus", redirect=lfs)
     documents = corpus(60, seed=3)
     parts = [json_lines(documents[:30]).encode(), json_lines(documents[30:]).encode()]
     stand_in.add("data/a.jsonl", parts[0], lfs=lfs)

@@ -1,17 +1,18 @@
 """Tokens per second of data/text_to_shards.py against the anchors' loop, back to back on the same
 text (a measurement, not a test).
 
-    python data/tokenize_bench.py                     # English Wikipedia text, else generated text
-    python data/tokenize_bench.py --text corpus.jsonl --repeats 3
+    python records/cpu-data-tools/tokenize_bench.py                 # Wikipedia text, else generated
+    python records/cpu-data-tools/tokenize_bench.py --text corpus.jsonl --repeats 3
 
 The anchors' loop is llm.c's dev/data/fineweb.py: a multiprocessing pool mapping tiktoken's
 encode_ordinary over the documents (imap, 16 at a time), each led by EOT, into shards. The text is
-English Wikipedia when ../shared/data/enwiki/ holds its GPT-2 shards (decoded back to text), else
-generated words; it is written once as JSON Lines, which every variant reads. Each variant runs in a
-process of its own, pinned to one core or to two: the anchors' loop with 1 process, text_to_shards
-with --workers 1, text_to_shards with --workers 2, the anchors' loop with 2 processes. Each is timed
-from its first read to its last shard written (the interpreter's start, imports and the
-tokenizer's load are left out), and each variant's tokens are checked to be the same stream.
+English Wikipedia when ../shared/data/enwiki/ beside the repository holds its GPT-2 shards (decoded
+back to text), else generated words; it is written once as JSON Lines, which every variant reads.
+Each variant runs in a process of its own, pinned to one core or to two: the anchors' loop with 1
+process, text_to_shards with --workers 1, text_to_shards with --workers 2, the anchors' loop with 2
+processes. Each is timed from its first read to its last shard written (the interpreter's start,
+imports and the tokenizer's load are left out), and each variant's tokens are checked to be the same
+stream.
 """
 
 import argparse
@@ -24,15 +25,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import files
 import numpy as np
-import shards
-import text_to_shards
-from gpt2_tokenizer import EOT
-from gpt2_tokenizer import gpt2_encoding
 
-HERE = Path(__file__).resolve().parent
-SHARED = HERE.parent.parent / "shared" / "data"
+REPO = Path(__file__).resolve().parents[2]
+# the data tools under measurement
+sys.path.insert(0, str(REPO / "data"))
+import files  # noqa: E402
+import shards  # noqa: E402
+import text_to_shards  # noqa: E402
+from gpt2_tokenizer import EOT  # noqa: E402
+from gpt2_tokenizer import gpt2_encoding  # noqa: E402
+
+SHARED = REPO.parent / "shared" / "data"
 SHARD_TOKENS = 10_000_000
 # in each process of the anchors' pool, set before it forks
 ENCODING = None
