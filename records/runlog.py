@@ -279,8 +279,8 @@ def parse_log(path: str | Path) -> Run:
     run.train_time_ms = run.val_time_ms[run.planned]
     # the trainer's first UNTIMED_STEPS steps, and a resumed run's first step (the public
     # records' logs do not say: "step_avg:nanms" tells instead)
-    lines = (max(int(m.group(1)), 1) for line in source if (m := UNTIMED_LINE.match(line)))
-    untimed = next(lines, -1)
+    counts = (max(int(m.group(1)), 1) for line in source if (m := UNTIMED_LINE.match(line)))
+    untimed = next(counts, -1)
     if run.resumed_from is not None:
         untimed = max(untimed, run.resumed_from + 1)
     run.untimed_through = max(untimed, nan_average_through)
