@@ -11,14 +11,17 @@ compilation?
         -- --num_iterations 200 --val_loss_every 0
 
 The runs alternate A1 B1 A2 B2 ... so that a machine that warms up or slows down over time
-weighs on both sides alike. Every run uses all visible GPUs (torchrun --standalone, one process
-per GPU); without a GPU it is one plain process on the CPU; --nproc overrides both. Each run gets
-a fresh --log_dir under the output folder (default logs/ab-<timestamp>-<process id>/), where its
-log and its console output (console.log) stay.
+weighs on both sides alike. Each pair has a seed of its own (--seed 0 for A1 and B1, 1 for A2 and
+B2, ...; a --seed given wins), so that a side's runs are runs, not repeats, and `compare.py` on
+their logs judges the change, not the noise of timing alone. Every run uses all visible GPUs
+(torchrun --standalone, one process per GPU); without a GPU it is one plain process on the CPU;
+--nproc overrides both. Each run gets a fresh --log_dir under the output folder (default
+logs/ab-<timestamp>-<process id>/), where its log and its console output (console.log) stay.
 
-Printed: one row per run (ms/step, peak memory, seconds from launch to the end of step 1, final
-val loss), then the ratio B/A of ms/step: its mean over the pairs (A1,B1), (A2,B2), ... and the
-smallest and largest pair. When that range includes 1 the difference is "within noise".
+Printed: one row per run (seed, ms/step, peak memory, seconds from launch to the end of step 1,
+final val loss), a warning where fewer than 50 steps of a run were timed (the trainer's first 10 are
+not), then the ratio B/A of ms/step: its mean over the pairs (A1,B1), (A2,B2), ... and the smallest
+and largest pair. When that range includes 1 the difference is "within noise".
 
 A stop (SIGTERM, SIGINT as from Ctrl-C, SIGHUP) is passed on to the run going on, which stops
 itself after its step (its stop line, and its checkpoint where it writes one); then ab.py says
@@ -28,6 +31,7 @@ where it stopped and ends, with no further run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shlex
@@ -44,6 +48,8 @@ import runlog  # noqa: E402
 
 # of a failed run's output
 TAIL_LINES = 20
+# fewer timed steps than this make a step_avg mostly the noise of the first steps after compiling
+MIN_TIMED_STEPS = 50
 
 
 class RunFailed(Exception):
@@ -108,14 +114,29 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def command(side: list[str], common: list[str], nproc: int, log_dir: Path) -> list[str]:
-    """The command line of one run: the flags for both sides before the side's own, which win
-    (the last of an option given twice counts); --log_dir last, which wins over any other."""
+def to_console(line: str) -> None:
+    """Print a line on stdout. A console gone away (a closed pipe, a full disk) never ends the
+    A/B: stdout writes to os.devnull from then on, and no later print fails. A closed pipe's
+    reader took what it wanted; any other failure is told on stderr, once."""
+    try:
+        print(line, flush=True)
+    except OSError as e:
+        if not isinstance(e, BrokenPipeError):
+            print(f"warning: stdout cannot be written ({e.strerror or e}): what follows is "
+                  "dropped; the work goes on", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def command(side: list[str], common: list[str], nproc: int, log_dir: Path, seed: int) -> list[str]:
+    """The command line of one run: its pair's seed, then the flags for both sides, then the
+    side's own, which win (the last of an option given twice counts); --log_dir last, which wins
+    over any other."""
     launcher = [sys.executable]
     if nproc > 1:
         # what the torchrun command runs, with this interpreter
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, side[0], *common, *side[1:], "--log_dir", str(log_dir)]
+    return [*launcher, side[0], "--seed", str(seed), *common, *side[1:], "--log_dir", str(log_dir)]
 
 
 def console_lines(console: Path) -> list[str]:
@@ -133,11 +154,11 @@ def run_once(label: str, cmd: list[str], run_dir: Path, stop: PassOn) -> runlog.
     # A1 was made when --out was claimed
     run_dir.mkdir(parents=True, exist_ok=True)
     console = run_dir / "console.log"
-    runlog.to_console(f"{label}: {shlex.join(cmd)}")
+    to_console(f"{label}: {shlex.join(cmd)}")
     start = time.perf_counter()
     with open(console, "w") as out:
         code = stop.run(cmd, out)
-    runlog.to_console(f"{label}: finished in {time.perf_counter() - start:.1f} s")
+    to_console(f"{label}: finished in {time.perf_counter() - start:.1f} s")
     if stop.signum:
         # its stop line, wherever it is: torchrun's report of the signal follows it
         lines = console_lines(console) or ["no output"]
@@ -191,17 +212,30 @@ def ratio_line(a_ms: list[float], b_ms: list[float]) -> str:
 
 
 def runs_table(labels: list[str], runs: list[runlog.Run]) -> str:
-    """One row per run: ms/step, peak memory, seconds to step 1 and final val loss."""
+    """One row per run: its seed (as logged), ms/step, peak memory, seconds to step 1 and final
+    val loss."""
 
     def num(x, fmt):
         return "?" if x is None or math.isnan(x) else format(x, fmt)
 
-    header = ["run", "step_avg (ms)", "peak mem (MiB)", "launch to step 1 (s)", "val loss"]
+    header = ["run", "seed", "step_avg (ms)", "peak mem (MiB)", "launch to step 1 (s)", "val loss"]
     rows = []
     for label, r in zip(labels, runs):
-        rows.append([label, num(r.step_avg_ms, ".2f"), num(r.peak_mib, "d"),
-                     num(r.startup_s, ".1f"), num(r.final_loss, ".4f")])
-    return runlog.format_table(header, rows, right={1, 2, 3, 4})
+        rows.append([label, r.options.get("seed", "?"), num(r.step_avg_ms, ".2f"),
+                     num(r.peak_mib, "d"), num(r.startup_s, ".1f"), num(r.final_loss, ".4f")])
+    return runlog.format_table(header, rows, right={1, 2, 3, 4, 5})
+
+
+def timing_warning(runs: list[runlog.Run]) -> str | None:
+    """A warning where a run timed fewer than MIN_TIMED_STEPS steps, or None."""
+    untimed = max(max(r.untimed_through, 0) for r in runs)
+    timed = min(r.planned for r in runs) - untimed
+    if timed >= MIN_TIMED_STEPS:
+        return None
+    enough = untimed + MIN_TIMED_STEPS
+    return (f"warning: only {max(timed, 0)} steps of a run were timed (the trainer's first "
+            f"{untimed} are not): with fewer than {MIN_TIMED_STEPS}, step_avg is mostly the noise "
+            f"of the first steps after compiling; give --num_iterations {enough} or more")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -296,14 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = PassOn()
     try:
         nproc = args.nproc or max(1, visible_gpus())
-        runlog.to_console(
-            f"{args.runs} run(s) each of A and B, alternating, {nproc} process(es) per run"
-        )
-        runlog.to_console(f"logs in {args.out}")
+        to_console(f"{args.runs} run(s) each of A and B, alternating, {nproc} process(es) per run; "
+                   f"pair k with --seed k-1")
+        to_console(f"logs in {args.out}")
         for i in range(1, args.runs + 1):
             for name, side in sides.items():
                 label = f"{name}{i}"
-                cmd = command(side, args.common, nproc, args.out / label)
+                cmd = command(side, args.common, nproc, args.out / label, seed=i - 1)
                 runs.append(run_once(label, cmd, args.out / label, stop))
                 labels.append(label)
     except RunFailed as e:
@@ -315,16 +348,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.close()
 
-    print()
-    print(runs_table(labels, runs))
+    to_console("")
+    to_console(runs_table(labels, runs))
     if len({r.planned for r in runs}) > 1:
-        print("note: the runs planned different step counts, so their losses are not comparable")
-    print()
+        to_console("note: the runs planned different step counts, so their losses do not compare")
+    warning = timing_warning(runs)
+    if warning:
+        to_console(warning)
+    to_console("")
     step_avg = [r.step_avg_ms for r in runs]
     # the runs are A1 B1 A2 B2 ...
-    print(ratio_line(step_avg[0::2], step_avg[1::2]))
+    to_console(ratio_line(step_avg[0::2], step_avg[1::2]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(runlog.run_printing(main))
+    sys.exit(main())

@@ -3,23 +3,19 @@
     python records/compare.py LOG_OR_DIR... [--vs LOG_OR_DIR...] [--target 3.28] [--plot out.png]
 
 A folder stands for every *.txt below it, a quoted glob for what it matches. One row per finished
-run, the val losses at the steps they share, then, for two or more runs of one configuration,
-SciPy's one-sided ttest_1samp(losses, target, alternative="less"), as the record READMEs run it.
-With --vs, group B (after it) against group A: each group's test, every setting they differ in,
-and B - A with SciPy's Welch test, ttest_ind(b, a, equal_var=False): its df, 95% interval and p.
-
-A run counts once, known by its run id (its log is <run id>.txt; a resumed run's names the run it
-resumed) or by its step lines. A copy, a stopped, diverged or unfinished run, or what is not a log
-is named and left out; a path that cannot be read is an error naming it; runs of different
-configurations, or one run in both groups, are refused in one line.
+run, in the order they ran, the val losses at the steps they share, then, for two or more runs of
+one configuration, SciPy's one-sided ttest_1samp(losses, target, alternative="less") as the record
+READMEs run it (against 3.28 only for runs validated on FineWeb, unless --target is given). With
+--vs, group B against group A: B - A of the final val loss and of the train time with SciPy's Welch
+test, ttest_ind(b, a, equal_var=False): its df, 95% interval and p. A run counts once, known by its
+run id (a resumed run's log names the run that wrote its checkpoint) or by its step lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import socket
+import signal
 import statistics
 import sys
 from collections import namedtuple
@@ -43,27 +39,20 @@ class Refusal(Exception):
     """A comparison that would judge what is not there; the message says why and what to do."""
 
 
-# ---------------------------------------------------------------- runs and configurations
-
-
-def load_groups(groups: list[list[str]]) -> tuple[list[list[Run]], list[str], list[str]]:
-    """Each group's finished runs, each run once; a line for each log left out; and one for each
-    path that cannot be read. Refusal for a run in both groups."""
+def load_groups(groups: list[list[str]]) -> tuple[list[list[Run]], list[str]]:
+    """Each group's finished runs, each run once, and a line for each log left out. Refusal for a
+    run in both groups; runlog.Unreadable for a file that cannot be read."""
     runs = []
     skipped = []
-    unreadable = []
     group_of = {}
     for name, args in zip("AB", groups):
-        paths, nothing, unlisted = runlog.log_files(args)
+        paths, nothing = runlog.log_files(args)
         skipped += nothing
-        unreadable += unlisted
         for path in paths:
             try:
                 runs.append(parse_log(path))
             except runlog.LogError as e:
                 skipped.append(f"skipped {path}: {e}")
-            except runlog.Unreadable as e:
-                unreadable.append(str(e))
             else:
                 group_of[id(runs[-1])] = name
     left_out = set()
@@ -74,9 +63,10 @@ def load_groups(groups: list[list[str]]) -> tuple[list[list[Run]], list[str], li
                           "run to one group")
         skipped.append(f"skipped {run.path}: the same run as {twin.path} ({how}); counted once")
         left_out.add(id(run))
-    counted = [r for r in runs if id(r) not in left_out]
+    # in the order they ran
+    counted = sorted((r for r in runs if id(r) not in left_out), key=lambda r: (r.started, r.path))
     grouped = [[r for r in counted if group_of[id(r)] == name] for name in "AB"[: len(groups)]]
-    return grouped, skipped, unreadable
+    return grouped, skipped
 
 
 def settings(run: Run, configuration: bool = False) -> dict[str, str]:
@@ -110,9 +100,19 @@ def differences(a: list[Run], b: list[Run], names=None, configuration=False) -> 
     return found
 
 
-def check_comparable(groups: list[list[Run]], labels: list[str]) -> None:
+def check_comparable(groups: list[list[Run]], labels: list[str], allow_unknown: bool) -> str:
     """Raise Refusal naming the first differences when a group's runs are not of one
-    configuration, or when group A and group B are validated on different data."""
+    configuration, when logs without options are beside logs with them (unless allowed: then
+    'run 3 (and N more)' is returned), or when groups A and B are validated on different data."""
+    every_run = [run for group in groups for run in group]
+    unknown = [label for run, label in zip(every_run, labels) if not run.options]
+    more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+    unknown_runs = f"run {unknown[0]}{more}" if 0 < len(unknown) < len(every_run) else ""
+    if unknown_runs and not allow_unknown:
+        raise Refusal(f"{unknown_runs} records no options (a public record's log, or one cut "
+                      "down), so nothing says it ran as the others: it is not pooled with, or "
+                      "compared as, a run of known options; compare logs of one kind, or pass "
+                      "--allow_unknown_options to compare them by steps and devices only")
     start = 0
     for name, runs in zip("AB", groups):
         where = f" in {name}" if len(groups) == 2 else ""
@@ -131,9 +131,7 @@ def check_comparable(groups: list[list[Run]], labels: list[str]) -> None:
         raise Refusal(f"no test of B against A: they are validated on different data "
                       f"({', '.join(named)}), so their val losses do not compare; compare runs "
                       "validated on the same val data")
-
-
-# ---------------------------------------------------------------------- t-tests, report
+    return unknown_runs
 
 
 def degenerate(difference: float) -> tuple[float, float]:
@@ -152,8 +150,7 @@ def t_test_less(values: list[float], target: float = TARGET) -> tuple[float, flo
         return values[0], 0.0, *degenerate(values[0] - target)
     from scipy import stats
     test = stats.ttest_1samp(values, target, alternative="less")
-    mean = statistics.fmean(values)
-    return mean, statistics.stdev(values), float(test.statistic), float(test.pvalue)
+    return statistics.fmean(values), statistics.stdev(values), float(test.statistic), float(test.pvalue)
 
 
 # B against A: B's mean minus A's, its 95% interval, Welch's df, t, and p that B is lower
@@ -181,15 +178,15 @@ def format_p(p: float) -> str:
 
 def runs_table(runs: list[Run], labels: list[str]) -> str:
     """One row per run, labelled 1, 2, ... or A1, B1, ...."""
-    header = ["#", "file", "steps", "val loss", "train time (s)", "ms/step", "peak mem", "PyTorch",
-              "devices"]
+    header = ["#", "file", "seed", "steps", "val loss", "train time (s)", "ms/step", "peak mem",
+              "PyTorch", "devices"]
     rows = []
     for label, r in zip(labels, runs):
         peak = "?" if r.peak_mib is None else f"{r.peak_mib} MiB"
-        rows.append([label, str(r.path), f"{r.steps_done}/{r.planned}", f"{r.final_loss:.4f}",
-                     f"{r.train_time_ms / 1000:.1f}", f"{r.step_avg_ms:.2f}", peak,
-                     r.torch_version, r.devices])
-    return runlog.format_table(header, rows, right={0, 2, 3, 4, 5, 6})
+        rows.append([label, str(r.path), r.options.get("seed", "?"), f"{r.steps_done}/{r.planned}",
+                     f"{r.final_loss:.4f}", f"{r.train_time_ms / 1000:.1f}", f"{r.step_avg_ms:.2f}",
+                     peak, r.torch_version, r.devices])
+    return runlog.format_table(header, rows, right={0, 2, 3, 4, 5, 6, 7})
 
 
 def shared_steps_table(runs: list[Run], labels: list[str]) -> str:
@@ -202,35 +199,57 @@ def shared_steps_table(runs: list[Run], labels: list[str]) -> str:
     return runlog.format_table(header, rows, right=set(range(len(header))))
 
 
-def summary_line(runs: list[Run], target: float) -> str:
-    mean, std, t, p = t_test_less([r.final_loss for r in runs], target)
+def target_for(runs: list[Run], given: float | None) -> float | None:
+    """The target given; else 3.28, a loss on FineWeb's val data, where every run is validated on
+    it (the public records' logs, without options, are); else none."""
+    on_fineweb = all("fineweb" in r.options.get("val_files", "fineweb").lower() for r in runs)
+    return TARGET if given is None and on_fineweb else given
+
+
+def summary_line(runs: list[Run], target: float | None) -> str:
+    """The one-sample test against the target; with none, or one run, why there is no test."""
+    losses = [r.final_loss for r in runs]
+    if len(runs) < 2:
+        return "n=1 (the t-test needs two or more finished runs)"
+    if target is None:
+        data = " | ".join(sorted({r.options.get("val_files", "?") for r in runs}))
+        mean, std = statistics.fmean(losses), statistics.stdev(losses)
+        return (f"n={len(runs)} mean={mean:.4f} std={std:.4f}: no test against {TARGET:g}, a loss "
+                f"on FineWeb's val data, for runs validated on {data} (--target LOSS tests against "
+                "another)")
+    mean, std, t, p = t_test_less(losses, target)
     test = f"mean={mean:.4f} std={std:.4f} t={t:.2f} p={format_p(p)}"
     return f"n={len(runs)} {test} target={target:g}"
 
 
-def welch_line(title: str, a: list[float], b: list[float]) -> str:
-    """'B against A <title>: B - A = ..., 95% CI ... to ... (Welch df=...), t=... p=...'."""
+def welch_line(title: str, a: list[float], b: list[float], unit: str = "", lower="lower") -> str:
+    """'B against A <title>: B - A = ..., 95% CI ... to ... (Welch df=...), t=... p=...'; losses
+    with 5 decimals, seconds (unit " s") with 2."""
+
+    def number(x):
+        return f"{x:+.{2 if unit else 5}f}{unit}"
+
     if len(a) < 2 or len(b) < 2:
         difference = statistics.fmean(b) - statistics.fmean(a)
-        return (f"B against A {title}: B - A = {difference:+.5f}; a test needs two or more "
+        return (f"B against A {title}: B - A = {number(difference)}; a test needs two or more "
                 f"finished runs in each group (A has {len(a)}, B has {len(b)})")
     w = welch_less(a, b)
-    return (f"B against A {title}: B - A = {w.difference:+.5f}, 95% CI {w.low:+.5f} to "
-            f"{w.high:+.5f} (Welch df={w.df:.2f}), t={w.t:.2f} p={format_p(w.p)} that B is lower")
+    return (f"B against A {title}: B - A = {number(w.difference)}, 95% CI {number(w.low)} to "
+            f"{number(w.high)} (Welch df={w.df:.2f}), t={w.t:.2f} p={format_p(w.p)} that B is "
+            f"{lower}")
 
 
-def two_group_report(a: list[Run], b: list[Run], target: float) -> list[str]:
+def two_group_report(a: list[Run], b: list[Run], target: float | None) -> list[str]:
     """Each group's line against the target, what differs between them, then B against A at the
-    end and, when the groups ran different step counts, at the last validation step both ran."""
-    lines = []
-    for name, runs in (("A", a), ("B", b)):
-        if len(runs) < 2:
-            lines.append(f"{name}: n=1 (the t-test needs two or more finished runs)")
-        else:
-            lines.append(f"{name}: {summary_line(runs, target)}")
+    end and, when the groups ran different step counts, at the last validation step both ran; and
+    last, B against A in train time."""
+    groups = (("A", a), ("B", b))
+    lines = [f"{name}: {summary_line(runs, target_for(runs, target))}" for name, runs in groups]
     named = differences(a, b)
     if {r.source_digest for r in a} != {r.source_digest for r in b}:
         named.append("the trainer's source")
+    if not all(r.options for r in a + b) and any(r.options for r in a + b):
+        named.append("options, which some logs do not record")
     if named:
         lines.append(f"A and B differ in: {', '.join(named)}")
     final_a = [r.final_loss for r in a]
@@ -238,19 +257,19 @@ def two_group_report(a: list[Run], b: list[Run], target: float) -> list[str]:
     if min(len(a), len(b)) > 1 and len(set(final_a)) == len(set(final_b)) == 1:
         lines.append("note: each group's final val losses are all equal, so the test is "
                      "degenerate: p is 0 if B is lower, else 1")
-    if a[0].planned == b[0].planned:
-        return [*lines, welch_line(f"at step {a[0].planned}", final_a, final_b)]
-    title = f"at the end (step {a[0].planned} for A, {b[0].planned} for B)"
+    title = f"at step {a[0].planned}"
+    if a[0].planned != b[0].planned:
+        title = f"at the end (step {a[0].planned} for A, {b[0].planned} for B)"
     lines.append(welch_line(title, final_a, final_b))
     shared = set.intersection(*(set(r.val_loss) for r in a + b)) - {0}
-    if not shared:
-        return [*lines, "B against A: the groups share no validation step after step 0"]
-    step = max(shared)
-    title = f"at step {step}, the last validation step both ran"
-    return [*lines, welch_line(title, [r.val_loss[step] for r in a], [r.val_loss[step] for r in b])]
-
-
-# ----------------------------------------------------------------------------- plot
+    if a[0].planned != b[0].planned and not shared:
+        lines.append("B against A: the groups share no validation step after step 0")
+    elif a[0].planned != b[0].planned:
+        step = max(shared)
+        at_step = [[r.val_loss[step] for r in runs] for runs in (a, b)]
+        lines.append(welch_line(f"at step {step}, the last validation step both ran", *at_step))
+    times = [[r.train_time_ms / 1000 for r in runs] for runs in (a, b)]
+    return [*lines, welch_line("in train time", *times, unit=" s", lower="faster")]
 
 
 def plot_times(run: Run, times: dict[int, float]) -> tuple[list[int], list[float]]:
@@ -277,7 +296,7 @@ def time_label(runs: list[Run]) -> str:
 
 def plot_runs(runs: list[Run], target: float, out: Path, pyplot, labels=None, fmt=None) -> None:
     """Val loss against train time per run, and each step's train loss where logged, thinner; with
-    labels A1, B1, ..., a colour and line style per group. Written aside, then renamed: whole."""
+    labels A1, B1, ..., a colour and line style per group; the target's line where there is one."""
     fig, ax = pyplot.subplots(figsize=(8, 5))
     group_style = {"A": dict(color="C0", linestyle="-"), "B": dict(color="C3", linestyle="--")}
     for i, r in enumerate(runs):
@@ -292,7 +311,8 @@ def plot_runs(runs: list[Run], target: float, out: Path, pyplot, labels=None, fm
             style.setdefault("color", val_line.get_color())
             losses = [r.train_loss[s] for s in steps]
             ax.plot(seconds, losses, linewidth=0.7, alpha=0.5, label=f"{name}: train", **style)
-    ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"target {target:g}")
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"target {target:g}")
     # Step 0's loss (ln 50304 = 10.83) would flatten everything else: zoom on the later evals,
     # and on the train losses after the first of them.
     first_eval = min((s for r in runs for s in r.val_loss if s > 0), default=0)
@@ -300,7 +320,7 @@ def plot_runs(runs: list[Run], target: float, out: Path, pyplot, labels=None, fm
     for r in runs:
         later += [v for s, v in r.train_loss.items() if s >= first_eval and math.isfinite(v)]
     if later:
-        low = min(later + [target])
+        low = min(later + ([] if target is None else [target]))
         margin = 0.05 * (max(later) - low) or 0.05
         ax.set_ylim(low - margin, max(later) + margin)
     ax.set_title("loss against train time" + (": A solid, B dashed" if labels else ""))
@@ -309,20 +329,16 @@ def plot_runs(runs: list[Run], target: float, out: Path, pyplot, labels=None, fm
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    temp = out.with_name(f".{out.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     try:
-        fig.savefig(temp, dpi=120, format=fmt)
-        os.replace(temp, out)
+        fig.savefig(out, dpi=120, format=fmt)
     finally:
         pyplot.close(fig)
-        temp.unlink(missing_ok=True)
 
 
 def _import_pyplot():
-    """matplotlib is optional: only --plot needs it."""
+    """matplotlib, optional (only --plot needs it), drawing into files only, never a window."""
     try:
         import matplotlib
-        # files only, never a window
         matplotlib.use("Agg")
         from matplotlib import pyplot
     except ImportError:
@@ -336,8 +352,6 @@ def prepare_plot(out: Path) -> tuple[object, str]:
     if pyplot is None:
         raise Refusal("--plot needs matplotlib, which is not installed (pip install matplotlib); "
                       "run without --plot for the tables.")
-    if out.exists() and not out.is_file():
-        raise Refusal(f"--plot {out} is not a regular file; give a file name")
     suffix = out.suffix[1:].lower()
     supported = pyplot.figure().canvas.get_supported_filetypes()
     pyplot.close("all")
@@ -349,26 +363,20 @@ def prepare_plot(out: Path) -> tuple[object, str]:
         raise Refusal(f"--plot {out}: matplotlib cannot write .{suffix} files; use one of {names}")
     if not out.parent.is_dir():
         raise Refusal(f"--plot {out}: there is no folder {out.parent}; create it or name another")
-    for path in (out.parent, out):
-        if path.exists() and not os.access(path, os.W_OK):
-            raise Refusal(f"--plot {out} cannot be written (Permission denied); name another")
     return pyplot, suffix
 
 
-# ----------------------------------------------------------------------------- main
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    usage = "%(prog)s LOG_OR_DIR... [--vs LOG_OR_DIR...] [--target 3.28] [--plot FILE.png]"
-    parser = argparse.ArgumentParser(usage=usage, description="Compare speedrun logs and t-test "
-                                     "their final val loss against a target, or group B (--vs) "
-                                     "against group A.")
+    parser = argparse.ArgumentParser(description="Compare speedrun logs: t-test their final val "
+                                     "loss against a target, or group B (--vs) against group A.")
     parser.add_argument("logs", nargs="+", metavar="LOG_OR_DIR", help="log files, directories "
                         "holding *.txt logs, or quoted globs (group A with --vs)")
     parser.add_argument("--vs", nargs="+", action="extend", metavar="LOG_OR_DIR", help="group B: "
-                        "test whether its final val loss is lower than that of the logs before")
-    parser.add_argument("--target", type=float, default=TARGET,
-                        help=f"val loss a record must beat (default {TARGET})")
+                        "is its final val loss lower, its train time shorter, than A's?")
+    parser.add_argument("--target", type=float, help=f"val loss to test against (default {TARGET}, "
+                        "the record's, for runs validated on FineWeb; no test for others)")
+    parser.add_argument("--allow_unknown_options", action="store_true", help="compare logs without "
+                        "options (the public records') with logs with them, by steps and devices")
     parser.add_argument("--plot", metavar="FILE.png", type=Path,
                         help="also plot val and train loss against train time (needs matplotlib)")
     return parser.parse_args(argv)
@@ -381,7 +389,7 @@ def error(message: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not math.isfinite(args.target):
+    if args.target is not None and not math.isfinite(args.target):
         return error(f"--target {args.target} is not a loss; give a number such as 3.28", 2)
     if args.plot:
         # before any work, not after the tables
@@ -392,18 +400,15 @@ def main(argv: list[str] | None = None) -> int:
 
     two_groups = args.vs is not None
     try:
-        groups, skipped, unreadable = load_groups([args.logs] + ([args.vs] if two_groups else []))
-    except Refusal as e:
+        groups, skipped = load_groups([args.logs] + ([args.vs] if two_groups else []))
+    except (Refusal, runlog.Unreadable) as e:
         return error(str(e), 1)
-    for line in skipped + [f"error: {problem}" for problem in unreadable]:
+    for line in skipped:
         print(line, file=sys.stderr)
-    if unreadable:
-        return 1
-    for name, group in zip(("A", "B (--vs)"), groups):
-        if not group and two_groups:
-            return error(f"group {name} has no finished runs to compare", 1)
+    names = ["group A has", "group B (--vs) has"] if two_groups else ["there are"]
+    for name, group in zip(names, groups):
         if not group:
-            return error("no finished runs to compare", 1)
+            return error(f"{name} no finished runs to compare", 1)
 
     every_run = [run for group in groups for run in group]
     labels = [str(i) for i in range(1, len(every_run) + 1)]
@@ -412,29 +417,32 @@ def main(argv: list[str] | None = None) -> int:
     print(runs_table(every_run, labels), shared_steps_table(every_run, labels), sep="\n\n",
           end="\n\n")
     if args.plot:
-        group_labels = labels if two_groups else None
         try:
-            plot_runs(every_run, args.target, args.plot, pyplot, group_labels, plot_format)
+            plot_runs(every_run, target_for(every_run, args.target), args.plot, pyplot,
+                      labels if two_groups else None, plot_format)
         except (OSError, ValueError, RuntimeError) as e:
             return error(f"--plot {args.plot} could not be written: {e}", 1)
         print(f"plot written to {args.plot}")
     try:
-        check_comparable(groups, labels)
+        unknown = check_comparable(groups, labels, args.allow_unknown_options)
     except Refusal as e:
         return error(str(e), 1)
+    if unknown:
+        print(f"note: {unknown} records no options: compared by steps and devices only "
+              "(--allow_unknown_options)")
     if two_groups:
         print(*two_group_report(*groups, args.target), sep="\n")
-        return 0
-    runs = groups[0]
-    if len(runs) < 2:
-        print("(the t-test needs two or more finished runs)")
-        return 0
-    if len({r.final_loss for r in runs}) == 1:
-        print("note: all final val losses are equal (std 0), so the t-test is degenerate: p is 0 "
-              "if the mean is below the target, else 1")
-    print(summary_line(runs, args.target))
+    else:
+        runs = groups[0]
+        target = target_for(runs, args.target)
+        if len(runs) > 1 and target is not None and len({r.final_loss for r in runs}) == 1:
+            print("note: all final val losses are equal (std 0), so the t-test is degenerate: p is "
+                  "0 if the mean is below the target, else 1")
+        print(summary_line(runs, target))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(runlog.run_printing(main))
+    # a reader gone (`| head`) ends the output quietly, as it ends any command-line tool's
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    sys.exit(main())

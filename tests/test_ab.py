@@ -34,7 +34,7 @@ import argparse, os, signal, sys, time, uuid
 from pathlib import Path
 
 p = argparse.ArgumentParser()
-for name in ("--tag", "--order", "--log_dir", "--fail", "--stop_with"):
+for name in ("--tag", "--order", "--log_dir", "--fail", "--stop_with", "--seed"):
     p.add_argument(name, default="")
 p.add_argument("--ms", type=float, default=100.0)
 p.add_argument("--num_iterations", type=int, default=20)
@@ -69,7 +69,8 @@ if a.stop_with:
     sys.exit(128 + received[0])
 n = a.num_iterations
 ms = a.ms + 0.37 * k
-lines = ["fake source", "=" * 100, "devices: 1 x cpu", "=" * 100]
+lines = ["fake source", "=" * 100, "devices: 1 x cpu", "=" * 100, "hyperparameters:",
+         f"  seed = {a.seed}", "=" * 100]
 for step in range(n + 1):
     timed = max(step - 10, 0)
     times = f"train_time:{timed * ms:.0f}ms step_avg:{ms if timed else float('nan'):.2f}ms"
@@ -86,12 +87,12 @@ Path(a.log_dir).mkdir(parents=True, exist_ok=True)
 (Path(a.log_dir) / f"{uuid.uuid4()}.txt").write_text("\\n".join(lines) + "\\n")
 """
 
-ROW = re.compile(r"^([AB]\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$")
+ROW = re.compile(r"^([AB]\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$")
 
 
 def figures_from_log(log_dir):
-    """(step_avg, peak MiB, startup s, final val loss) read from a run's log, independently of
-    compare.py: the last step's val line, the startup line and the peak memory line."""
+    """(step_avg, peak MiB, startup s, final val loss, seed) read from a run's log, independently
+    of compare.py: the last step's val line, the startup and peak memory lines, the seed option."""
     (log,) = Path(log_dir).glob("*.txt")
     # the source skipped
     body = log.read_text().split("=" * 100 + "\n", 1)[1]
@@ -99,8 +100,9 @@ def figures_from_log(log_dir):
     final = re.findall(last_val, body, re.M)
     peak = re.search(r"^peak memory consumption: (\d+) MiB$", body, re.M)
     startup = re.search(r"^startup: ([\d.]+)s from launch", body, re.M)
+    seed = re.search(r"^  seed = (\d+)$", body, re.M)
     (_, loss, avg) = final[-1]
-    return float(avg), int(peak[1]), float(startup[1]), float(loss)
+    return float(avg), int(peak[1]), float(startup[1]), float(loss), int(seed[1])
 
 
 def rows_of(out):
@@ -157,11 +159,14 @@ def test_ratio_line():
 def test_command_lines(tmp_path):
     side = ["train_gpt.py", "--regional_compile", "true"]
     common = ["--num_iterations", "60"]
-    one = ab.command(side, common, 1, tmp_path / "A1")
+    one = ab.command(side, common, 1, tmp_path / "A1", seed=0)
     # the side's own flags after those for both: the last of a flag given twice counts
-    assert one == [sys.executable, "train_gpt.py", *common, "--regional_compile", "true",
-                   "--log_dir", str(tmp_path / "A1")]
-    eight = ab.command(side, common, 8, tmp_path / "B1")
+    assert one == [sys.executable, "train_gpt.py", "--seed", "0", *common, "--regional_compile",
+                   "true", "--log_dir", str(tmp_path / "A1")]
+    # a --seed of the user's comes after the pair's, and wins
+    assert ab.command(["x.py"], ["--seed", "7"], 1, tmp_path / "A2", seed=1)[2:6] == [
+        "--seed", "1", "--seed", "7"]
+    eight = ab.command(side, common, 8, tmp_path / "B1", seed=0)
     assert eight[:6] == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
         "train_gpt.py",
@@ -191,9 +196,13 @@ def test_alternates_and_prints_the_logs_figures(fake, tmp_path, capsys, monkeypa
     rows = rows_of(stdout)
     assert list(rows) == labels
     for label in labels:
-        avg, peak, startup, loss = figures_from_log(out / label)
-        assert rows[label] == (f"{avg:.2f}", str(peak), f"{startup:.1f}", f"{loss:.4f}")
+        avg, peak, startup, loss, seed = figures_from_log(out / label)
+        assert rows[label] == (str(seed), f"{avg:.2f}", str(peak), f"{startup:.1f}", f"{loss:.4f}")
         assert (out / label / "console.log").read_text() == "loading data\n"
+        # each pair its own seed, the same for both sides
+        assert seed == int(label[1:]) - 1
+    # 14 steps, the first 10 untimed
+    assert "warning: only 4 steps of a run were timed" in stdout
 
     ratios, mean = pair_ratios(out, 3)
     # 90 + small against 100 + small
@@ -219,11 +228,26 @@ def test_a_failing_run_stops_with_a_clear_error(fake, tmp_path):
     assert order.read_text().split() == ["A", "B"]
     first = proc.stderr.splitlines()[0]
     assert first.startswith("error: B1 failed with exit code 1: ")
-    assert f"{fake} --order {order} --tag B --fail B --log_dir {out / 'B1'}" in first
+    assert f"{fake} --seed 0 --order {order} --tag B --fail B --log_dir {out / 'B1'}" in first
     assert "boom: out of memory" in proc.stderr and "loading data" in proc.stderr
     assert f"logs kept in {out}" in proc.stderr and "Traceback" not in proc.stderr
     # the finished run's log stays
     assert len(list((out / "A1").glob("*.txt"))) == 1
+
+
+def synthetic_run(planned, untimed_through):
+    return ab.runlog.Run(path=Path("A1/x.txt"), planned=planned, steps_done=planned,
+                         untimed_through=untimed_through)
+
+
+def test_too_few_timed_steps_are_warned():
+    # the trainer's first 10 steps are untimed: 60 steps time 50, 59 time 49
+    assert ab.timing_warning([synthetic_run(60, 10), synthetic_run(60, 10)]) is None
+    warning = ab.timing_warning([synthetic_run(60, 10), synthetic_run(59, 10)])
+    assert warning.startswith("warning: only 49 steps of a run were timed (the trainer's first 10 "
+                              "are not)")
+    assert warning.endswith("give --num_iterations 60 or more")
+    assert "only 2 steps" in ab.timing_warning([synthetic_run(12, 10)] * 2)
 
 
 def test_bad_arguments_are_errors_before_any_run(fake, tmp_path, capsys):
@@ -397,8 +421,8 @@ def test_real_smoke_ab(tmp_path):
     rows = rows_of(proc.stdout)
     assert list(rows) == ["A1", "B1"]
     for label in rows:
-        avg, peak, startup, loss = figures_from_log(out / label)
-        assert rows[label] == (f"{avg:.2f}", str(peak), f"{startup:.1f}", f"{loss:.4f}")
+        avg, peak, startup, loss, seed = figures_from_log(out / label)
+        assert rows[label] == (str(seed), f"{avg:.2f}", str(peak), f"{startup:.1f}", f"{loss:.4f}")
         assert math.isfinite(avg) and startup > 0
     (ratio,), _ = pair_ratios(out, 1)
     last = proc.stdout.strip().splitlines()[-1]
