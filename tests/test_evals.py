@@ -127,9 +127,9 @@ def reference_counts(model, examples, tokenizer):
 # --- HellaSwag: the scorer ------------------------------------------------------------------------
 
 def test_packing_puts_documents_end_to_end_and_none_across_a_sequence_end():
-    # 130 at 260 would end at 390, past the sequence of 384: the next sequence
-    assert hellaswag.pack([100, 100, 60, 130, 384], 384) == [(0, 0), (0, 100), (0, 200), (1, 0),
-                                                            (2, 0)]
+    # 124 at 260 ends the sequence of 384 exactly; 130 after it would not fit: the next sequence
+    places = [(0, 0), (0, 100), (0, 200), (0, 260), (1, 0), (2, 0)]
+    assert hellaswag.pack([100, 100, 60, 124, 130, 384], 384) == places
 
 
 @pytest.mark.slow

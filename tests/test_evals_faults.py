@@ -468,6 +468,15 @@ def test_a_checkpoint_with_invalid_options_is_one_line(checkpoint, data, tmp_pat
                                                     f"invalid {message}") for line in errors)
 
 
+def test_options_the_trainer_lacks_are_named_in_a_warning(checkpoint, tmp_path, capsys):
+    entries = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    other = tmp_path / "other.pt"
+    torch.save({**entries, "args": {**entries["args"], "option_of_another_fork": 3}}, other)
+    assert sample.main([str(other), "--max_new_tokens", "1", *WITH_TRAINER]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "--option_of_another_fork 3" in warnings[0]
+
+
 def test_options_that_ask_for_an_impossible_model_are_named_as_options(checkpoint, data, tmp_path,
                                                                         capsys):
     entries = torch.load(checkpoint, map_location="cpu", weights_only=True)
