@@ -300,9 +300,11 @@ def test_the_shipped_examples_score_a_checkpoint_offline_as_help_says(checkpoint
         hellaswag.main(["--help"])
     usage = " ".join(capsys.readouterr().out.split())
     assert "--data evals/smoke_hellaswag.jsonl" in usage and "--tokenizer FILE" in usage
+    # every example renders with GPT-2's BPE; the first 12 are scored
+    assert len(hellaswag.render(examples, common.encoding(RANKS))) == len(examples)
     assert hellaswag.main([str(checkpoint), "--data", str(data), "--tokenizer", str(RANKS),
-                           *WITH_TRAINER]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].endswith(f" n={len(examples)}")
+                           "--limit", "12", *WITH_TRAINER]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(" n=12")
 
 
 # --- the download ---------------------------------------------------------------------------------
