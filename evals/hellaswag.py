@@ -65,8 +65,6 @@ URL = ("https://raw.githubusercontent.com/rowanz/hellaswag/"
 GIT_BLOB_ID = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 EXAMPLES = 10_042
 CACHED = common.REPO / "data" / "hellaswag" / "hellaswag_val.jsonl"
-# examples of HellaSwag's shape written for this repository, for an offline check
-SMOKE_DATA = Path(__file__).resolve().with_name("smoke_hellaswag.jsonl")
 # tokens per forward: their fp32 logits take 1.6 GB (the trainer uses its micro-batch instead)
 SEQUENCE_LENGTH = 8192
 # the positions of the model's rotary tables, as many as the trainer's micro-batch may have
