@@ -1,28 +1,21 @@
 """What the evaluation tools share: the start-up, the code that builds a checkpoint's model, the
-tokenizer, the errors. Nothing of the trainer is imported here: a checkpoint carries the source of
-the script that wrote it, and its model is built from that source, imported under a name of its own
-(trainer_ and its sha256), only when it is a file the user has: the script the checkpoint records as
-its writer, still there with the same bytes; a .py file of this repository; or the file given as
---trainer (the model is then built from that file). Anything else stops the tool before any of it
-runs, unless --trust_checkpoint_code. A checkpoint is read as tensors and plain data only
-(weights_only=True), so unpickling it runs nothing. The trainer's --hellaswag hands over its own
-model."""
+tokenizer, the errors. One rule chooses that code: the source a checkpoint carries runs only when it
+is this repository's train_gpt.py byte for byte; else the model is built by --trainer FILE, the
+user's copy, or, with --trust_checkpoint_code, by the source after a warning. The script path a
+checkpoint records is information only. Checkpoints are read as tensors and plain data only."""
 import argparse
 import ast
 import contextlib
 import difflib
 import hashlib
 import importlib.util
-import io
-import json
+import inspect
 import linecache
 import os
-import pickle
 import signal
 import stat
 import sys
 import tempfile
-import time
 import zipfile
 from dataclasses import fields
 from dataclasses import replace
@@ -37,11 +30,21 @@ if str(REPO / "data") not in sys.path:
     sys.path.insert(0, str(REPO / "data"))
 import gpt2_tokenizer  # noqa: E402
 
-# what a checkpoint written before checkpoints carried their source is scored with
+# the one trainer whose source runs without --trainer or --trust_checkpoint_code
 REPOSITORY_TRAINER = REPO / "train_gpt.py"
-# the exit code of a process whose output pipe was closed by its reader (128 + SIGPIPE), as a
-# shell's tools end
+# the positions of the model's rotary tables: no document may be longer
+MAX_POSITIONS = 65536
+# the exit code of a process whose output pipe was closed by its reader (128 + SIGPIPE)
 CLOSED_OUTPUT = 141
+# the names of a trainer module that common.py uses; each tool adds its own (TRAINER_NAMES)
+TRAINER_NAMES = ("UserError", "setup_device", "start_process_group", "Hyperparameters",
+                 "check_hyperparameters", "GPT")
+# torchrun sets all of these in the processes it starts
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+# options about the machine that trained (files, kernels), checked there: defaults stand in here
+MACHINE_OPTIONS = {"train_files", "val_files", "log_dir", "hellaswag_data", "tokenizer", "resume",
+                   "compile", "compile_cache", "fused_head_loss"}
 
 
 class EvalError(Exception):
@@ -49,89 +52,71 @@ class EvalError(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's, but a mistake in the options is one `error:` line (an EvalError)."""
-
     def error(self, message):
         raise EvalError(f"{message} (see --help)")
 
 
-def regular_file(path, option=""):
-    """path, when it names a regular file; anything else is refused without being opened (a named
-    pipe would wait for a writer, /dev/zero never ends). option: the flag that gave it, if any."""
+def regular_file(path, option="", read=False):
+    """path (its bytes, with read) if a regular file; else refused unopened (a pipe would block)."""
     where = f"{option} {path}".strip()
     try:
-        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise EvalError(f"{where}: not a regular file (a folder, pipe or device): give a file")
+        return Path(path).read_bytes() if read else path
     except OSError as e:
         raise EvalError(f"{where}: cannot read it ({e.strerror})") from None
-    if not stat.S_ISREG(mode):
-        raise EvalError(f"{where}: not a regular file (a folder, a pipe or a device): give a file")
-    return path
+
+
+def first_line(error):
+    return (str(error).splitlines() or [""])[0]
+
+
+def sha256(data, digits=64):
+    return hashlib.sha256(data).hexdigest()[:digits]
 
 
 def trainer_of(thing):
-    """The trainer module that defined thing's class (a model, its options): where its constants
-    (EOT, BLOCK_SIZE) and functions are read from, whether the trainer handed the model over or it
-    was built from a checkpoint's source."""
+    """The trainer module that defined thing's class (a model, its options)."""
     return sys.modules[type(thing).__module__]
 
 
-# the trainers built from sources in this process, by their sha256: each source is imported once
-TRAINERS = {}
-
-
 def trainer_from_source(source):
-    """The module a trainer's source (bytes) defines, imported under the name trainer_<sha256
-    prefix> from a private temp file (a real file: the trainer reads its own at import, and Triton
-    reads its kernels' source), removed once imported; its lines stay known to tracebacks."""
-    digest = sha256(source)
-    if digest in TRAINERS:
-        return TRAINERS[digest]
-    name = f"trainer_{digest[:16]}"
-    with tempfile.TemporaryDirectory(prefix="evals-trainer-") as folder:
-        path = os.path.join(folder, f"{name}.py")
-        Path(path).write_bytes(source)
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        # dataclasses look their module up while it is imported
-        sys.modules[name] = module
-        try:
+    """The module a source (bytes) defines, trainer_<sha256 prefix>, imported once (temp file)."""
+    name = f"trainer_{sha256(source, 16)}"
+    if name not in sys.modules:
+        with tempfile.TemporaryDirectory(prefix="evals-trainer-") as folder:
+            path = os.path.join(folder, f"{name}.py")
+            Path(path).write_bytes(source)
+            spec = importlib.util.spec_from_file_location(name, path)
+            # registered first: dataclasses look their module up while it is imported
+            module = sys.modules[name] = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    lines = source.decode("utf-8", errors="replace").splitlines(keepends=True)
-    # no modification time: linecache keeps the entry although the file is gone
-    linecache.cache[path] = (len(source), None, lines, path)
-    TRAINERS[digest] = module
-    return module
+        # tracebacks show its lines: with no modification time, linecache keeps them
+        lines = source.decode("utf-8", errors="replace").splitlines(keepends=True)
+        linecache.cache[path] = (len(source), None, lines, path)
+    return sys.modules[name]
 
 
 def add_code_options(parser):
-    """The options that choose the code that builds a checkpoint's model, a group of their own in
-    --help."""
     group = parser.add_argument_group(
         "the code that builds the model",
-        "A checkpoint carries the source of the script that wrote it, which would run as code. The "
-        "model is built from it only when it is a file you have: the script the checkpoint records "
-        "as its writer, unchanged, or a .py file of this repository. Otherwise the tool stops, "
-        "before any of it runs, and says how it differs from this repository's train_gpt.py.")
+        "A checkpoint carries the source of the script that wrote it, which would run as code: "
+        "without options, only when it is this repository's train_gpt.py byte for byte. For a "
+        "fork's checkpoint: --write_source FILE, read FILE, then pass --trainer FILE.")
     choice = group.add_mutually_exclusive_group()
-    choice.add_argument("--trainer", metavar="FILE",
-                        help="build the model with FILE, your copy of the trainer (a fork whose "
-                        "script has moved, say); a warning says when it is not the source the "
-                        "checkpoint carries")
-    choice.add_argument("--trust_checkpoint_code", action="store_true",
-                        help="run the source the checkpoint carries although no file you have "
-                        "holds it: only for checkpoints of people you trust")
-    group.add_argument("--show_source", action="store_true",
-                       help="print how the source the checkpoint carries differs from this "
-                       "repository's train_gpt.py (a unified diff) and exit, running none of it")
+    choice.add_argument("--trainer", metavar="FILE", help="build the model with FILE, your copy "
+                        "of the script that wrote the checkpoint")
+    choice.add_argument("--trust_checkpoint_code", action="store_true", help="run the source the "
+                        "checkpoint carries, whatever it is: only if you trust who made it")
+    action = group.add_mutually_exclusive_group()
+    action.add_argument("--show_source", action="store_true", help="print how the source the "
+                        "checkpoint carries differs from this repository's train_gpt.py, and exit")
+    action.add_argument("--write_source", metavar="FILE", help="write the source the checkpoint "
+                        "carries to FILE, a new file, and exit; then pass --trainer FILE")
 
 
 def read_checkpoint(path):
-    """A checkpoint's entries, its tensors mapped from the file, not read (only the weights are
-    needed, not the optimiser states beside them). Tensors and plain data only: an object whose
-    unpickling would call a function is refused, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says."""
+    """A checkpoint's entries (its tensors mapped, not read), as tensors and plain data only."""
     regular_file(path)
     try:
         # the zip's CRCs catch a flipped byte in the weights, which torch.load misses
@@ -142,384 +127,171 @@ def read_checkpoint(path):
             raise KeyError(f"no {'model' if 'model' not in checkpoint else 'args'} in it")
     except OSError as e:
         raise EvalError(f"{path}: cannot read it ({e.strerror or e})") from None
-    except pickle.UnpicklingError as e:
-        raise EvalError(not_data(path, e)) from None
     except Exception as e:
+        if "Weights only load failed" in str(e):
+            raise EvalError(f"{path}: refused: unpickling it could run code (it holds more than "
+                            "tensors and plain data, as no checkpoint of train_gpt.py does): get "
+                            "the file again from whoever made it") from None
         raise EvalError(f"{path}: not a checkpoint written by train_gpt.py, or a corrupt or "
                         f"truncated one ({type(e).__name__}: {first_line(e)})") from None
     return checkpoint
 
 
-def not_data(path, error):
-    """The line for a checkpoint that torch's weights-only unpickler refused (or whose pickle is
-    damaged): every refusal, however torch words it, is this tool's, never torch's advice to load
-    it with weights_only=False."""
-    message = str(error)
-    if "Weights only load failed" not in message:
-        return (f"{path}: not a checkpoint written by train_gpt.py, or a corrupt or truncated one "
-                f"(UnpicklingError: {first_line(error)})")
-    return (f"{path}: refused: unpickling it could run code, as it holds more than tensors and "
-            f"plain data ({refused_object(message)}), which no checkpoint of train_gpt.py does. "
-            "Get the file again from whoever made it; if you made it and trust it, load it with "
-            "torch.load(..., weights_only=False) and save its tensors and plain data")
-
-
-def refused_object(message):
-    """What torch's weights-only unpickler refused, in its words, from its message: the first line
-    of it that is not torch's advice (which names weights_only)."""
-    # "... WeightsUnpickler error: Unsupported global: GLOBAL builtins.exec was not an allowed
-    # global by default. ..."; else the refusal is on a line of its own: "Trying to load
-    # unsupported GLOBAL posix.system whose module posix is blocked."
-    if "WeightsUnpickler error:" in message:
-        message = message.rpartition("WeightsUnpickler error:")[2]
-    else:
-        message = message.removeprefix("Weights only load failed.")
-    for line in message.splitlines():
-        line = line.strip()
-        if line and "weights_only" not in line:
-            return line.split(" was not ")[0].split(". ")[0].rstrip(".")
-    return "an object it does not load as data"
-
-
-def first_line(error):
-    return (str(error).splitlines() or [""])[0]
-
-
-def sha256(data):
-    return hashlib.sha256(data).hexdigest()
-
-
-# the hex digits of a sha256 that name a source in the tools' lines
-SHORT_SHA = 12
-
-
-def carried_source(checkpoint, path):
-    """The trainer source the checkpoint carries, as bytes; None when it carries none (written
-    before checkpoints did)."""
-    source = checkpoint.get("source")
-    if isinstance(source, str):
-        source = source.encode()
-    if source is not None and not isinstance(source, bytes):
-        raise EvalError(f"{path}: its source is a {type(source).__name__}, not a script's text: "
-                        "not a checkpoint written by train_gpt.py")
-    return source
-
-
-def recorded_script(checkpoint):
-    """The path of the script that wrote the checkpoint, as it records it; None when it records
-    none (older checkpoints)."""
-    script = checkpoint.get("script")
-    if isinstance(script, str):
-        return script
-    return None
-
-
-def holds(path, source):
-    """Whether path is a regular file whose bytes are source. Its size is compared first: a device
-    or a named pipe is never opened, a large file never read."""
-    try:
-        status = os.stat(path)
-        if not stat.S_ISREG(status.st_mode) or status.st_size != len(source):
-            return False
-        return Path(path).read_bytes() == source
-    # a path with a NUL byte in it is a ValueError
-    except (OSError, ValueError):
-        return False
-
-
-def repository_file_holding(source):
-    """A .py file of this repository (outside its hidden folders) whose bytes are source, or
-    None."""
-    for folder, subfolders, names in os.walk(REPO):
-        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
-        for name in sorted(names):
-            path = os.path.join(folder, name)
-            if name.endswith(".py") and holds(path, source):
-                return path
-    return None
-
-
-def unified_diff(old, new, old_name, new_name):
-    """The unified diff from old to new (bytes), as lines, each ending in a newline."""
-    def lines(source):
-        return source.decode("utf-8", errors="replace").splitlines(keepends=True)
-    diff = difflib.unified_diff(lines(old), lines(new), old_name, new_name)
-    ended = []
-    for line in diff:
-        if not line.endswith("\n"):
-            line += "\n"
-        ended.append(line)
-    return ended
-
-
-def changed_lines(diff):
-    """(added, removed): the lines a unified diff adds and removes."""
-    hunks = [line for line in diff[2:] if not line.startswith("@@")]
-    added = sum(line.startswith("+") for line in hunks)
-    removed = sum(line.startswith("-") for line in hunks)
-    return added, removed
-
-
-def in_lines(count):
-    """count lines, in words."""
-    if count == 1:
-        return "1 line"
-    return f"{count} lines"
-
-
-def against_repository_trainer(source):
-    """In words: how source differs from this repository's train_gpt.py."""
-    try:
-        ours = REPOSITORY_TRAINER.read_bytes()
-    except OSError as e:
-        return f"this repository's train_gpt.py cannot be read to compare ({e.strerror})"
-    if source == ours:
-        return "it is this repository's train_gpt.py, byte for byte"
-    added, removed = changed_lines(unified_diff(ours, source, "train_gpt.py", "source"))
-    return (f"{in_lines(added + removed)} differ from this repository's train_gpt.py ({added} "
-            f"added, {removed} removed)")
-
-
-def read_trainer_file(trainer_file):
-    """The bytes of --trainer FILE."""
-    regular_file(trainer_file, "--trainer")
-    try:
-        return Path(trainer_file).read_bytes()
-    except OSError as e:
-        raise EvalError(f"--trainer {trainer_file}: cannot read it ({e.strerror})") from None
-
-
 def trainer_code(path, checkpoint, trainer_file=None, trust=False):
-    """(the source that builds the checkpoint's model, the line that says whose it is): the file
-    --trainer names; else this repository's train_gpt.py for a checkpoint that carries no source,
-    after a warning; else the source it carries when it is a file the user has (the script it
-    records, unchanged, or a .py file of this repository), or with trust after a warning. Anything
-    else is an EvalError, raised before any of the source runs."""
-    source = carried_source(checkpoint, path)
+    """(the source that builds the model, the line naming it): --trainer FILE; this repository's
+    train_gpt.py if the checkpoint carries it or none; with trust, what it carries; else none."""
+    source = checkpoint.get("source")
     if trainer_file:
-        code = read_trainer_file(trainer_file)
+        code = regular_file(trainer_file, "--trainer", read=True)
         if source is not None and code != source:
-            warn(f"warning: --trainer {trainer_file} (sha256 {sha256(code)[:SHORT_SHA]}) is not "
-                 f"the source {path} carries (sha256 {sha256(source)[:SHORT_SHA]}): the model is "
-                 f"built by {trainer_file}, with the checkpoint's weights")
-        return code, built_by(trainer_file, code, "given as --trainer")
+            warn(f"warning: --trainer {trainer_file} (sha256 {sha256(code, 12)}) is not the source "
+                 f"{path} carries (sha256 {sha256(source, 12)}), which is not run")
+        return code, f"model: built by {os.path.realpath(trainer_file)} (sha256 {sha256(code, 12)})"
+    ours = regular_file(REPOSITORY_TRAINER, read=True)
     if source is None:
-        warn(f"warning: {path} carries no trainer source (written before checkpoints did): "
-             f"scored as {REPOSITORY_TRAINER.name} of this repository, which may not be the model "
-             "that wrote it")
-        try:
-            code = REPOSITORY_TRAINER.read_bytes()
-        except OSError as e:
-            raise EvalError(f"{REPOSITORY_TRAINER}: cannot read it ({e.strerror})") from None
-        return code, built_by(REPOSITORY_TRAINER, code, "this repository's")
-    script = recorded_script(checkpoint)
-    if script is not None and holds(script, source):
-        return source, built_by(script, source, "the script that wrote the checkpoint")
-    local = repository_file_holding(source)
-    if local is not None:
-        return source, built_by(local, source, "a file of this repository")
+        warn(f"warning: {path} carries no trainer source: built by this repository's "
+             "train_gpt.py, which may not be the model that wrote it")
+    if source is None or source == ours:
+        return ours, f"model: built by {REPOSITORY_TRAINER} (sha256 {sha256(ours, 12)})"
     if trust:
         warn(f"warning: {path}: running the trainer source it carries (sha256 {sha256(source)}), "
-             f"which is no file you have, as --trust_checkpoint_code asks; "
-             f"{against_repository_trainer(source)}")
-        return source, (f"model: built by the source {path} carries (sha256 "
-                        f"{sha256(source)[:SHORT_SHA]}), trusted")
-    raise EvalError(refusal(path, source, script))
-
-
-def built_by(script, source, why):
-    """The line that names the script that built the model."""
-    digest = sha256(source)[:SHORT_SHA]
-    return f"model: built by {os.path.realpath(script)} (sha256 {digest}), {why}"
-
-
-def refusal(path, source, script):
-    """The line for a checkpoint whose source is no file the user has."""
-    if script is None:
-        writer = "it records no script as its writer"
-    elif os.path.isfile(script):
-        writer = f"the script that wrote it, {script}, has other bytes now"
-    else:
-        writer = f"the script that wrote it, {script}, is not there"
-    return (f"{path}: the trainer source it carries (sha256 {sha256(source)}) is no file you "
-            f"have ({writer}, and no .py file of this repository holds it); "
-            f"{against_repository_trainer(source)} (--show_source prints them). It would run as "
-            "code: pass --trainer FILE to build the model with your own copy of the trainer, or "
-            "--trust_checkpoint_code to run the source it carries if you trust who made it")
-
-
-# the names of a trainer module that common.py uses; each tool adds its own (TRAINER_NAMES)
-TRAINER_NAMES = ("UserError", "check_launch_environment", "setup_device", "start_process_group",
-                 "Hyperparameters", "check_hyperparameters", "GPT", "window_blocks_at")
-
-
-def defined_names(statements):
-    """The names that statements define at their level (in the branches of an if, a try or a
-    with too): what a module of them would have, read without running any of it."""
-    names = set()
-    for statement in statements:
-        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(statement.name)
-        elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = getattr(statement, "targets", None) or [statement.target]
-            for target in targets:
-                names.update(node.id for node in ast.walk(target) if isinstance(node, ast.Name))
-        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
-            names.update((alias.asname or alias.name).split(".")[0] for alias in statement.names)
-        elif isinstance(statement, (ast.If, ast.Try, ast.With)):
-            branches = [statement.body, getattr(statement, "orelse", []),
-                        getattr(statement, "finalbody", [])]
-            branches += [handler.body for handler in getattr(statement, "handlers", [])]
-            for branch in branches:
-                names |= defined_names(branch)
-    return names
-
-
-def check_is_trainer(path, source, line, needs):
-    """Refuse, before any of it runs, a source that does not define at its top level every name of
-    needs (a file that only has the checkpoint's bytes, a data script, an older trainer): it is
-    parsed, not imported."""
-    origin = line.removeprefix("model: built by ")
-    try:
-        tree = ast.parse(source)
-    # a NUL byte is a ValueError
-    except (SyntaxError, ValueError) as e:
-        raise EvalError(f"{path}: its trainer ({origin}) is not Python ({type(e).__name__}: "
-                        f"{first_line(e)}); nothing of it was run: pass --trainer FILE, a copy of "
-                        "train_gpt.py") from None
-    defined = defined_names(tree.body)
-    missing = [name for name in needs if name not in defined]
-    if missing:
-        raise EvalError(f"{path}: its trainer ({origin}) is not a trainer this tool can use: it "
-                        f"does not define {', '.join(missing[:4])}; nothing of it was run: pass "
-                        "--trainer FILE, a copy of train_gpt.py that defines them")
+             "not this repository's train_gpt.py, as --trust_checkpoint_code asks")
+        return source, f"model: built by the source {path} carries, trusted"
+    raise EvalError(f"{path}: the trainer source it carries (sha256 {sha256(source)}) is not this "
+                    "repository's train_gpt.py (--show_source prints how it differs) and would "
+                    "run as code: pass --trainer FILE, your copy of the script that wrote it "
+                    "(--write_source FILE writes the source it carries, to read), or "
+                    "--trust_checkpoint_code to run it if you trust who made it")
 
 
 def open_checkpoint(path, trainer_file=None, trust=False, needs=TRAINER_NAMES):
-    """(the trainer module that builds the checkpoint's model, its entries, the line that names
-    that trainer's script): the module is imported from the source trainer_code gives, only once
-    that source is known to be the user's choice and to define every name of needs (the names the
-    tool uses)."""
+    """(the trainer module that builds the checkpoint's model, its entries, the line naming it): the
+    source trainer_code gives, imported once parsed, it defines each name of needs at top level."""
     checkpoint = read_checkpoint(path)
     source, line = trainer_code(path, checkpoint, trainer_file, trust)
-    check_is_trainer(path, source, line, needs)
+    origin = line.removeprefix("model: built by ")
+    try:
+        body = ast.parse(source).body
+    # a NUL byte is a ValueError
+    except (SyntaxError, ValueError) as e:
+        body, origin = [], f"{origin}, not Python ({type(e).__name__}: {first_line(e)})"
+    defined = set()
+    for node in body:
+        defined.add(getattr(node, "name", None))
+        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+        defined.update(target.id for target in targets if isinstance(target, ast.Name))
+    if missing := [name for name in needs if name not in defined]:
+        raise EvalError(f"{path}: its trainer ({origin}) is not a trainer this tool can use: it "
+                        f"does not define {', '.join(missing[:4])}; nothing of it was run: pass "
+                        "--trainer FILE, a copy of train_gpt.py that defines them")
     try:
         trainer = trainer_from_source(source)
     except Exception as e:
-        origin = line.removeprefix("model: built by ")
         raise EvalError(f"{path}: its trainer ({origin}) fails to import "
                         f"({type(e).__name__}: {first_line(e)})") from None
     return trainer, checkpoint, line
 
 
-def show_source(path):
-    """--show_source: how the source the checkpoint carries differs from this repository's
-    train_gpt.py, a unified diff on stdout (a line on stderr says how much); none of it runs."""
-    checkpoint = read_checkpoint(path)
-    source = carried_source(checkpoint, path)
+def show_or_write_source(args):
+    """--show_source: the diff from this repository's train_gpt.py to the source the checkpoint
+    carries. --write_source FILE: that source, whole, as FILE, a new file. None of it runs."""
+    path, target = args.checkpoint, args.write_source
+    source = read_checkpoint(path).get("source")
     if source is None:
-        raise EvalError(f"{path} carries no trainer source (written before checkpoints did): its "
-                        f"model would be built by this repository's {REPOSITORY_TRAINER.name}")
-    try:
-        ours = REPOSITORY_TRAINER.read_bytes()
-    except OSError as e:
-        raise EvalError(f"{REPOSITORY_TRAINER}: cannot read it ({e.strerror})") from None
-    name = recorded_script(checkpoint) or f"the source {path} carries"
-    diff = unified_diff(ours, source, "train_gpt.py", name)
-    warn(f"{path}: the trainer source it carries (sha256 {sha256(source)}): "
-         f"{against_repository_trainer(source)}")
-    if speaks():
-        print_out("".join(diff), end="")
+        raise EvalError(f"{path} carries no trainer source: its model is built by this "
+                        "repository's train_gpt.py")
+    carries = f"{path}: the trainer source it carries (sha256 {sha256(source, 12)})"
+    if target is None:
+        lines = [text.decode("utf-8", errors="replace").splitlines(keepends=True)
+                 for text in (REPOSITORY_TRAINER.read_bytes(), source)]
+        diff = [line.rstrip("\n") + "\n" for line in difflib.unified_diff(*lines, "train_gpt.py",
+                                                                           "carried source")]
+        added, removed = (sum(line[0] == sign for line in diff[2:]) for sign in "+-")
+        warn(f"{carries}: {added} lines added and {removed} removed against train_gpt.py")
+        if speaks():
+            print_out("".join(diff), end="")
+        return 0
+    if os.path.lexists(target):
+        if regular_file(target, "--write_source", read=True) != source:
+            raise EvalError(f"--write_source {target}: exists, with other bytes: give a new name")
+    else:
+        temp = Path(target).with_name(f".{Path(target).name}.{os.getpid()}.tmp")
+        try:
+            temp.write_bytes(source)
+            # unlike a rename, a link never replaces a file made meanwhile
+            os.link(temp, target)
+        except OSError as e:
+            raise EvalError(f"--write_source {target}: cannot write it ({e.strerror})") from None
+        finally:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+    warn(f"{carries} is in {target}: read it, then pass --trainer {target}")
     return 0
 
 
-# options about the machine that trained (its files, folders and kernels), not about the model:
-# checked there; here their defaults stand in for them
-MACHINE_OPTIONS = ("train_files", "val_files", "log_dir", "hellaswag_data", "tokenizer", "resume",
-                   "compile", "compile_cache", "fused_head_loss")
-
-
 def run_options(trainer, checkpoint, path):
-    """The run's options, as its trainer's Hyperparameters (those the trainer no longer has left
-    out), checked by its trainer's check_hyperparameters (but those of MACHINE_OPTIONS): a value
-    no run could have had is an error, not a traceback or a nonsense score."""
-    try:
-        known = {f.name for f in fields(trainer.Hyperparameters)}
-        saved = checkpoint["args"]
-        options = trainer.Hyperparameters(**{k: v for k, v in saved.items() if k in known})
-    except Exception as e:
-        raise EvalError(f"{path}: its options do not fit its trainer's "
-                        f"({type(e).__name__}: {first_line(e)})") from None
-    defaults = trainer.Hyperparameters()
-    here = {name: getattr(defaults, name) for name in MACHINE_OPTIONS if name in known}
+    """The run's options as its trainer's Hyperparameters (any it lacks left out, after a warning),
+    checked by its check_hyperparameters (those of MACHINE_OPTIONS as their defaults)."""
+    known = {f.name for f in fields(trainer.Hyperparameters)}
+    saved = checkpoint["args"]
+    options = trainer.Hyperparameters(**{k: v for k, v in saved.items() if k in known})
+    if unknown := [f"--{name} {saved[name]!r}" for name in saved if name not in known]:
+        warn(f"warning: {path}: its options {', '.join(unknown)} are no options of the trainer "
+             "that builds its model: left out")
+    here = {name: getattr(trainer.Hyperparameters(), name) for name in MACHINE_OPTIONS & known}
     try:
         trainer.check_hyperparameters(replace(options, **here))
     except Exception as e:
-        if isinstance(e, trainer.UserError):
-            problem = str(e)
-        else:
-            problem = f"{type(e).__name__}: {first_line(e)}"
-        raise EvalError(f"{path}: its saved options are invalid ({problem}): no run of its "
-                        "trainer wrote it so; get the checkpoint again from whoever made it") from None
+        problem = str(e) if isinstance(e, trainer.UserError) else f"{type(e).__name__}: {e}"
+        raise EvalError(f"{path}: its saved options are invalid ({first_line(problem)}): its "
+                        "trainer would refuse to train with them") from None
     return options
 
 
 def build_model(trainer, checkpoint, path, device, line=None):
-    """The checkpoint's model, built by its trainer, in eval mode on device, and the run's options;
-    then line (which script built it) on stderr."""
+    """The checkpoint's model in eval mode on device and the run's options; then line on stderr."""
     args = run_options(trainer, checkpoint, path)
     try:
         model = trainer.GPT.from_args(args, device)
-        model.load_state_dict(checkpoint["model"])
     except Exception as e:
+        # the options named as the model's arguments (its constructor's)
+        named = [f"--{n} {getattr(args, n)}" for n in inspect.signature(trainer.GPT).parameters
+                 if hasattr(args, n)]
+        raise EvalError(f"{path}: its options ({' '.join(named)}) ask for a model its trainer "
+                        f"cannot build ({type(e).__name__}: {first_line(e)})") from None
+    ours, saved = model.state_dict(), checkpoint["model"]
+    # the first parameter or buffer whose shapes differ, or that one side lacks
+    mismatches = [f"{n} is {tuple(saved[n].shape)} there, {tuple(ours[n].shape)} in the model"
+                  for n in ours if n in saved and saved[n].shape != ours[n].shape]
+    mismatches += [f"the model's {n} is not in the checkpoint" for n in ours if n not in saved]
+    mismatches += [f"the checkpoint's {n} is not in the model" for n in saved if n not in ours]
+    if mismatches:
         raise EvalError(f"{path}: its weights do not fit the model its trainer builds "
-                        f"({type(e).__name__}: {first_line(e)})") from None
+                        f"({mismatches[0]}): pass --trainer FILE, the script that wrote it")
+    model.load_state_dict(saved)
     if line:
         warn(line)
     return model.to(device).eval(), args
 
 
-def load_model(path, device, trainer_file=None, trust=False):
-    """The model of a checkpoint that train_gpt.py (or a copy of it) wrote, in eval mode on device,
-    and the run's options; trainer_file and trust as the tools' --trainer and
-    --trust_checkpoint_code."""
-    trainer, checkpoint, _ = open_checkpoint(path, trainer_file, trust)
-    return build_model(trainer, checkpoint, path, device)
-
-
-def checkpoint_step(checkpoint, args, path):
-    """The step the checkpoint was saved at (a run saves one at its end, or every
-    --checkpoint_every steps); num_iterations, its end, when it records none."""
-    step = checkpoint.get("step", args.num_iterations)
-    if type(step) is not int or not 0 <= step <= args.num_iterations:
-        raise EvalError(f"{path}: its step, {step!r}, is not one of its run's 0 to "
-                        f"{args.num_iterations}: not a checkpoint written by train_gpt.py")
-    return step
-
-
-def trained_window_blocks(args, step=None):
-    """The attention window, in blocks, that the model had at step (by default the end of its
-    training)."""
-    if step is None:
-        step = args.num_iterations
-    return trainer_of(args).window_blocks_at(step, args)
-
-
 def encoding(tokenizer_file=None):
     """GPT-2's BPE: tiktoken's own (downloaded once), or built from a ranks file (offline)."""
-    if tokenizer_file:
-        regular_file(tokenizer_file, "--tokenizer")
     try:
-        return gpt2_tokenizer.gpt2_encoding(tokenizer_file)
+        return gpt2_tokenizer.gpt2_encoding(tokenizer_file and regular_file(tokenizer_file,
+                                                                            "--tokenizer"))
     except gpt2_tokenizer.TokenizerError as e:
         raise EvalError(str(e)) from None
 
 
 def start_processes(trainer):
-    """The trainer's own start-up checks (torchrun's variables left over in a shell, the device),
-    then rank, world size and device, and the process group when there are several processes."""
+    """Rank, world size, device (a group for several); torchrun's leftover variables refused."""
+    found = [name for name in LAUNCH_VARIABLES if name in os.environ]
+    if found and len(found) < len(LAUNCH_VARIABLES):
+        settings = " ".join(f"{name}={os.environ[name]}" for name in found)
+        raise EvalError(f"{settings} set in the environment, but this process was not started by "
+                        f"torchrun: for one process, `unset {' '.join(found)}` first; for several, "
+                        "launch with torchrun, which sets them")
     try:
-        trainer.check_launch_environment()
         rank, world_size, device = trainer.setup_device()
     except trainer.UserError as e:
         raise EvalError(str(e)) from None
@@ -529,13 +301,10 @@ def start_processes(trainer):
 
 
 def speaks():
-    """Whether this process prints the errors and warnings: rank 0 of a process group, else the
-    first process on each node under torchrun, else every process (left-over variables)."""
+    """Whether this process prints: rank 0 of a group, the first on each node under torchrun."""
     if dist.is_initialized():
         return dist.get_rank() == 0
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return os.environ.get("LOCAL_RANK", "0") == "0"
-    return True
+    return os.environ.get("LOCAL_RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
 
 
 def warn(line):
@@ -543,62 +312,38 @@ def warn(line):
         print(line, file=sys.stderr, flush=True)
 
 
-def tell_launcher(line):
-    """The last line into the error file torchrun names for this process, in the format of its
-    ErrorHandler: torchrun's report of the failure quotes it, not an empty traceback."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time()))))
-    with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps(dict(message=message)))
-
-
 def print_out(text, end="\n"):
-    """text to stdout, now: a reader that has gone (`... | head`) is met here, not at exit; a
-    character stdout's encoding cannot show is a replacement character; a stdout that cannot be
-    written (a full disk) is an EvalError, and what it kept is dropped."""
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(errors="replace")
+    """text to stdout, now (a reader gone is met here); a full disk is an EvalError."""
     try:
         print(text, end=end, flush=True)
-    except BrokenPipeError:
-        raise
     except OSError as e:
         # what is still buffered goes nowhere, and exiting does not fail again on it
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if isinstance(e, BrokenPipeError):
+            raise
         raise EvalError(f"cannot write to stdout ({e.strerror or e}): send the output somewhere "
                         "it can be written") from None
 
 
 def run_main(body):
-    """body() as a tool's main: its exit code, or 1 after one `error:` line; 130 after Ctrl-C; 141
-    and nothing more when stdout's reader has gone. The process group is torn down either way."""
+    """body()'s exit code; 1 after one `error:` line, 130 after Ctrl-C, 141 if stdout is closed."""
     try:
         return body()
-    except EvalError as e:
+    except (EvalError, RuntimeError) as e:
         line = f"error: {e}"
-        warn(line)
-        tell_launcher(line)
-        return 1
-    except (torch.OutOfMemoryError, RuntimeError) as e:
-        # a CPU allocation that fails is a RuntimeError of this wording
-        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+        # out of memory: a CPU allocation that fails is a RuntimeError of this wording
+        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+            line = (f"error: out of memory ({first_line(e)[:200]}): ask for less at once, fewer "
+                    "--num_samples (sample.py) or a shorter --sequence_length (hellaswag.py)")
+        elif not isinstance(e, EvalError):
             raise
-        line = (f"error: out of memory ({first_line(e)[:200]}): ask for less at once, fewer "
-                "--num_samples (sample.py) or a shorter --sequence_length (hellaswag.py)")
         warn(line)
-        tell_launcher(line)
         return 1
     except KeyboardInterrupt:
-        # Ctrl-C: one line, not a traceback, and the shell's code for it
         warn("stopped by SIGINT")
         return 128 + signal.SIGINT
     except BrokenPipeError:
-        # what is still buffered for stdout goes nowhere, and exiting does not fail again on it
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return CLOSED_OUTPUT
     finally:
         if dist.is_initialized():

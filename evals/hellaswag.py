@@ -3,6 +3,7 @@
     python evals/hellaswag.py logs/<run id>/state_step001390.pt
     torchrun --standalone --nproc_per_node=8 evals/hellaswag.py CHECKPOINT    # split across GPUs
     python evals/hellaswag.py CHECKPOINT --data my.jsonl --limit 500 --tokenizer gpt2.tiktoken
+    python evals/hellaswag.py CHECKPOINT --data evals/smoke_hellaswag.jsonl   # offline, a smoke run
 
 Each of an example's candidates is its own document, as in training: 50256, the tokens of the
 context (`ctx`), then those of " " + the ending. A candidate's score is the model's loss over its
@@ -10,23 +11,28 @@ ending's tokens: `acc` counts the examples whose lowest summed loss is the label
 `acc_norm` those whose lowest mean loss per token is (completion style, as llm.c and modded-nanogpt
 score it). The candidates are packed into sequences of the model's own document-causal attention,
 which never crosses a document, so packing changes only the rounding, which is fp32's: the model is
-scored with its bf16 tables cast to fp32. Each candidate lies within the attention window the model
-had at the checkpoint's step (the end of its training, for the last one), so none is cut. Every
-sequence has --sequence_length tokens (the last one padded with lone 50256s): on a GPU the forward
-is compiled once for that shape, which makes FlexAttention a fused kernel (see loss_per_token).
+scored with its bf16 tables cast to fp32. Each candidate is scored whole: the attention window
+spans the sequence, so a candidate sees all of itself (training's window, at least 128 tokens, would
+change nothing for candidates that short) and nothing else. Every sequence has --sequence_length
+tokens (the last one padded with lone 50256s): on a GPU the forward is compiled once for that
+shape, which makes FlexAttention a fused kernel (see loss_per_token).
 
 The data: HellaSwag's validation file (10,042 examples) from its authors' repository at a fixed
 commit, downloaded once into data/hellaswag/ and checked against the git blob id that commit gives
 it, so that a bad download is an error, not a wrong score. --data FILE reads a local JSON Lines
-file in HellaSwag's format (ctx, endings, label; other fields are ignored). The last line printed
-is `hellaswag: acc_norm=... acc=... n=...`; the line before it says how long the scoring took.
+file in HellaSwag's format (ctx, endings, label; other fields are ignored). One such file ships in
+evals/smoke_hellaswag.jsonl: 48 examples of everyday sentences written for this repository, to
+check a checkpoint's scoring offline (a smoke run's model scores about chance on them), with
+--tokenizer FILE (GPT-2's ranks) or tiktoken's own copy of GPT-2's encoding, fetched once online.
+The last line printed is `hellaswag: acc_norm=... acc=... n=...`; the line before it says how long
+the scoring took.
 
-The model is the checkpoint's own: built by the trainer whose source the checkpoint carries, when
-that source is a file the user has, or by --trainer FILE (see evals/common.py: anything else
-stops before any of it runs, unless --trust_checkpoint_code; --show_source prints it against
-train_gpt.py); the scoring uses that trainer's end-of-text id and block size. The trainer's
---hellaswag hands over its own model and options instead (ForTrainer), and its log embeds this
-file's source and common.py's after its own.
+The model is the checkpoint's own: built by this repository's train_gpt.py when that is the source
+the checkpoint carries, or by --trainer FILE, your copy of a fork (see evals/common.py: any other
+source stops before any of it runs, unless --trust_checkpoint_code; --show_source prints it against
+train_gpt.py, --write_source FILE saves it); the scoring uses that trainer's end-of-text id and
+block size. The trainer's --hellaswag hands over its own model and options instead (ForTrainer),
+and its log embeds this file's source and common.py's after its own.
 """
 import contextlib
 import copy
@@ -35,6 +41,7 @@ import http.client
 import json
 import math
 import os
+import resource
 import socket
 import stat
 import sys
@@ -61,7 +68,7 @@ CACHED = common.REPO / "data" / "hellaswag" / "hellaswag_val.jsonl"
 # tokens per forward: their fp32 logits take 1.6 GB (the trainer uses its micro-batch instead)
 SEQUENCE_LENGTH = 8192
 # the positions of the model's rotary tables, as many as the trainer's micro-batch may have
-MAX_SEQUENCE_LENGTH = 65536
+MAX_SEQUENCE_LENGTH = common.MAX_POSITIONS
 # the names of the trainer module that the scoring uses, besides common.py's
 TRAINER_NAMES = (*common.TRAINER_NAMES, "EOT", "BLOCK_SIZE")
 
@@ -194,19 +201,14 @@ def render(examples, tokenizer, eot=None):
     return rendered
 
 
-def pack(lengths, sequence_length, window_blocks, block_size):
-    """(sequence, offset) of documents of these lengths, in order: none crosses the end of a
-    sequence, and none spans more than window_blocks blocks of block_size tokens (one that would
-    starts at the next block instead), so that each sees all of itself."""
+def pack(lengths, sequence_length):
+    """(sequence, offset) of documents of these lengths, in order, none crossing the end of a
+    sequence."""
     places = []
     sequence = 0
     offset = 0
     for length in lengths:
-        assert length <= min(sequence_length, window_blocks * block_size)
-        first_block = offset // block_size
-        last_block = (offset + length - 1) // block_size
-        if last_block - first_block >= window_blocks:
-            offset = math.ceil(offset / block_size) * block_size
+        assert length <= sequence_length
         if offset + length > sequence_length:
             sequence += 1
             offset = 0
@@ -243,10 +245,9 @@ def loss_per_token(model, device):
 
 
 @torch.no_grad()
-def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LENGTH,
-          should_stop=None):
+def score(model, candidates, device, sequence_length=SEQUENCE_LENGTH, should_stop=None):
     """Each candidate's summed loss over its ending and the ending's token count (float64, on the
-    CPU), and how they were packed: (sums, counts, sequences, tokens, window in blocks); None as
+    CPU), and how they were packed: (sums, counts, sequences, tokens); None as
     soon as should_stop() is true, checked before each sequence. Every sequence is
     sequence_length tokens (or the longest candidate's whole blocks, if longer), the last one
     padded, so that a compiled forward has one shape; a lone sequence, its own blocks."""
@@ -258,13 +259,10 @@ def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LEN
     # fp32 rounding, where bf16's, each candidate at another position, could flip a close call
     model = copy.deepcopy(model).float()
     lengths = [len(tokens) for tokens, _ in candidates]
-    blocks = math.ceil(max(lengths) / block_size)
-    # one longer than the trained window is scored whole, with a wider window: the others' scores
-    # stay the same, as they lie within the narrower one
-    window_blocks = max(window_blocks, blocks)
-    sequence_length = max(sequence_length, blocks * block_size)
-    places = pack(lengths, sequence_length, window_blocks, block_size)
-    window = torch.tensor(window_blocks, dtype=torch.int32, device=device)
+    sequence_length = max(sequence_length, math.ceil(max(lengths) / block_size) * block_size)
+    places = pack(lengths, sequence_length)
+    # a window of the whole sequence: each candidate sees all of itself, and nothing else
+    window = torch.tensor(sequence_length // block_size, dtype=torch.int32, device=device)
     sums = torch.zeros(len(candidates), dtype=torch.float64)
     ending_lengths = [len(tokens) - start for tokens, start in candidates]
     counts = torch.tensor(ending_lengths, dtype=torch.float64)
@@ -291,7 +289,7 @@ def score(model, candidates, window_blocks, device, sequence_length=SEQUENCE_LEN
         tokens = tokens.to(device)
         losses = losses_of(tokens[:-1].to(torch.int32), tokens[1:], window)
         sums.index_add_(0, torch.tensor(owners), losses[rows].double().cpu())
-    return sums, counts, len(members), sum(lengths), window_blocks
+    return sums, counts, len(members), sum(lengths)
 
 
 def correct_counts(rendered, labels, sums, counts):
@@ -335,7 +333,7 @@ class Stopped(Exception):
         self.signal = signal
 
 
-def evaluate(model, rendered, labels, window_blocks, device=None, rank=None, world_size=None,
+def evaluate(model, rendered, labels, device=None, rank=None, world_size=None,
              sequence_length=SEQUENCE_LENGTH, should_stop=None):
     """(acc_norm, acc, n, a line on what was scored in what time). Rank r scores examples r,
     r + world_size, ...; the counts are summed over the ranks, so every rank must call it. device:
@@ -355,14 +353,13 @@ def evaluate(model, rendered, labels, window_blocks, device=None, rank=None, wor
     correct = torch.zeros(3, dtype=torch.int64)
     sequences = 0
     tokens = 0
-    window = window_blocks
     stop_signal = 0
     if candidates:
-        scores = score(model, candidates, window_blocks, device, sequence_length, should_stop)
+        scores = score(model, candidates, device, sequence_length, should_stop)
         if scores is None:
             stop_signal = should_stop()
         else:
-            sums, counts, sequences, tokens, window = scores
+            sums, counts, sequences, tokens = scores
             correct[:2] = torch.tensor(correct_counts(rendered[mine], labels[mine], sums, counts))
             correct[2] = len(labels[mine])
     elif should_stop:
@@ -384,9 +381,6 @@ def evaluate(model, rendered, labels, window_blocks, device=None, rank=None, wor
     details = (f"hellaswag: {n:,} examples in {seconds:.1f} s on {world_size} x {device.type} "
                f"(rank {rank}: {len(candidates):,} candidates, {tokens:,} tokens in {sequences} "
                f"sequences of up to {length:,})")
-    if window > window_blocks:
-        details += (f"; candidates longer than the trained window of {window_blocks} blocks were "
-                    f"scored whole, with a window of {window}")
     return by_mean / n, by_sum / n, n, details
 
 
@@ -425,22 +419,25 @@ class ForTrainer:
 
     def score(self, model, args, log, stop):
         """The trained model's scores into the trainer's log, outside train time, each rank scoring
-        its share in sequences of --max_device_batch_size tokens, as validation, with the window
-        the training ended with, and its peak memory (a CPU's: the process's); (stopping, the
-        signal): a stop signal (stop.received on any rank) ends it with no score."""
-        trainer = common.trainer_of(model)
-        window_blocks = trainer.window_blocks_at(args.num_iterations, args)
+        its share in sequences of --max_device_batch_size tokens, as validation, and its peak
+        memory (a GPU's allocations; a CPU's: the process's resident set, which ru_maxrss gives in
+        KiB on Linux); (stopping, the signal): a stop signal (stop.received on any rank) ends it
+        with no score."""
         device = next(model.parameters()).device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            acc_norm, acc, n, details = evaluate(model, self.rendered, self.labels, window_blocks,
+            acc_norm, acc, n, details = evaluate(model, self.rendered, self.labels,
                                                  sequence_length=args.max_device_batch_size,
                                                  should_stop=lambda: stop.received)
         except Stopped as stopped:
             return True, stopped.signal
         log(details)
-        log(f"hellaswag: peak memory {trainer.peak_memory_mib(device)} MiB")
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) // 2 ** 20
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+        log(f"hellaswag: peak memory {peak} MiB")
         log(result_line(acc_norm, acc, n))
         return False, 0
 
@@ -451,7 +448,11 @@ def main(argv=None):
 
 def run(argv):
     parser = common.ArgumentParser(
-        description="Zero-shot HellaSwag accuracy of a train_gpt.py checkpoint.")
+        description="Zero-shot HellaSwag accuracy of a train_gpt.py checkpoint.",
+        epilog="Offline, a smoke run's checkpoint, say: --data evals/smoke_hellaswag.jsonl (48 "
+        "examples of HellaSwag's shape, our own sentences: a check of the scoring, not a "
+        "benchmark) with --tokenizer FILE (GPT-2's ranks, gpt2.tiktoken) or with tiktoken's own "
+        "copy of GPT-2's encoding, fetched once online.")
     parser.add_argument("checkpoint", help="a checkpoint that train_gpt.py wrote (state_step*.pt)")
     parser.add_argument("--data", help="a JSON Lines file in HellaSwag's format (default: "
                         "HellaSwag's validation set, downloaded once into data/hellaswag/)")
@@ -463,8 +464,8 @@ def run(argv):
                         "take less GPU memory (default: %(default)s)")
     common.add_code_options(parser)
     args = parser.parse_args(argv)
-    if args.show_source:
-        return common.show_source(args.checkpoint)
+    if args.show_source or args.write_source:
+        return common.show_or_write_source(args)
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be at least 1, got {args.limit}")
     if not 1 <= args.sequence_length <= MAX_SEQUENCE_LENGTH:
@@ -480,14 +481,12 @@ def run(argv):
     if args.sequence_length % trainer.BLOCK_SIZE:
         raise EvalError(f"--sequence_length must be a positive multiple of the model's block "
                         f"size, {trainer.BLOCK_SIZE}, got {args.sequence_length}")
-    model, options = common.build_model(trainer, checkpoint, args.checkpoint, device, built_by)
+    model, _ = common.build_model(trainer, checkpoint, args.checkpoint, device, built_by)
     rendered = render(examples, tokenizer, trainer.EOT)
     labels = [label for _, _, label in examples]
-    step = common.checkpoint_step(checkpoint, options, args.checkpoint)
-    window_blocks = common.trained_window_blocks(options, step)
     try:
-        acc_norm, acc, n, details = evaluate(model, rendered, labels, window_blocks, device, rank,
-                                             world_size, args.sequence_length)
+        acc_norm, acc, n, details = evaluate(model, rendered, labels, device, rank, world_size,
+                                             args.sequence_length)
     except torch.cuda.OutOfMemoryError:
         block_size = trainer.BLOCK_SIZE
         half = max(block_size, args.sequence_length // 2 // block_size * block_size)

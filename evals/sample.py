@@ -12,15 +12,15 @@ bf16 tables cast, as HellaSwag scores it), so that the cache changes only fp32 r
 forwards, where bf16's could flip a close call. At --temperature 0 (the default) a new token is the
 likeliest (greedy); else a draw from softmax(logits / temperature), among the --top_k likeliest when
 given, seeded by --seed. --num_samples N draws N continuations in one batch (greedy: N equal ones).
-Only the tokenizer's ids are drawn, never the rows that pad the head to a multiple of 128. The
-document stays within the attention window the model had at the checkpoint's step (the end of its
-training, for the last one). stdout gets the prompt and its continuation, decoded, nothing stripped,
-and nothing else (a character its encoding cannot show as a replacement character); with several
-samples, each one so, after a line `--- sample i of N`. The model is the checkpoint's own, built by
-the trainer whose source it carries when that source is a file the user has, or by --trainer FILE
-(see evals/common.py: anything else stops before any of it runs, unless --trust_checkpoint_code;
---show_source prints it against train_gpt.py), with that trainer's end-of-text id, block size and KV
-cache.
+Only the tokenizer's ids are drawn, never the rows that pad the head to a multiple of 128. The model
+attends to the whole document, up to 65,536 tokens (its rotary positions): training's sliding window
+ended at 1,792 tokens in record 18's run (--window_end), so text past that is the model beyond its
+training. stdout gets the prompt and its continuation, decoded, nothing stripped, and nothing else;
+with several samples, each one so, after a line `--- sample i of N`. The model is the checkpoint's
+own, built by this repository's train_gpt.py when that is the source the checkpoint carries, or by
+--trainer FILE, your copy of a fork (see evals/common.py: any other source stops before any of it
+runs, unless --trust_checkpoint_code; --show_source prints it against train_gpt.py, --write_source
+FILE saves it), with that trainer's end-of-text id, block size and KV cache.
 """
 import copy
 import math
@@ -104,8 +104,8 @@ def run(argv):
                         "use (default: tiktoken's own, downloaded once)")
     common.add_code_options(parser)
     args = parser.parse_args(argv)
-    if args.show_source:
-        return common.show_source(args.checkpoint)
+    if args.show_source or args.write_source:
+        return common.show_or_write_source(args)
     for name in ("max_new_tokens", "top_k"):
         if getattr(args, name) < 0:
             raise EvalError(f"--{name} must be at least 0, got {getattr(args, name)}")
@@ -124,16 +124,13 @@ def run(argv):
     if world_size > 1:
         raise EvalError("sample.py runs in one process: python evals/sample.py ...")
     prompt = tokenizer.encode_ordinary(args.prompt)
-    # checked before the model is built
-    options = common.run_options(trainer, checkpoint, args.checkpoint)
-    step = common.checkpoint_step(checkpoint, options, args.checkpoint)
-    window_blocks = common.trained_window_blocks(options, step)
-    window = window_blocks * trainer.BLOCK_SIZE
-    if 1 + len(prompt) + args.max_new_tokens > window:
+    length = 1 + len(prompt) + args.max_new_tokens
+    if length > common.MAX_POSITIONS:
         raise EvalError(f"{trainer.EOT}, the prompt's {len(prompt)} tokens and --max_new_tokens "
-                        f"{args.max_new_tokens} exceed the model's attention window of {window} "
-                        f"tokens (the one it had at step {step}, when the checkpoint was saved): "
-                        "give a shorter prompt or fewer new tokens")
+                        f"{args.max_new_tokens} exceed the model's {common.MAX_POSITIONS} "
+                        "positions: give a shorter prompt or fewer new tokens")
+    # the window: the whole document
+    window_blocks = math.ceil(length / trainer.BLOCK_SIZE)
     model, _ = common.build_model(trainer, checkpoint, args.checkpoint, device, built_by)
     generator = torch.Generator(device).manual_seed(args.seed)
     # fp32, as generate_batch needs it: converted here rather than copied there

@@ -1,10 +1,12 @@
-"""Checkpoints are data. evals/hellaswag.py and evals/sample.py build a checkpoint's model from the
-trainer source it carries only when that source is a file the user has (the script that wrote it,
-unchanged; a .py file of this repository; the --trainer FILE given); otherwise they stop in one line
-before any of it runs, or run it after a warning with --trust_checkpoint_code. --show_source prints
-how it differs from train_gpt.py and runs nothing. Every torch.load reads tensors and plain data
-only, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says. The code planted here appends a line to a
-file when it runs: the file's lines count the processes that ran it.
+"""Checkpoints are data. evals/hellaswag.py and evals/sample.py run the trainer source a checkpoint
+carries only when it is this repository's train_gpt.py byte for byte; with --trainer FILE they build
+the model with FILE; otherwise they stop in one line before any of it runs, or run it after a
+warning with --trust_checkpoint_code. The script path a checkpoint records is never a place to look
+for code. --show_source prints how it differs from train_gpt.py, --write_source FILE saves it; both
+run nothing. Every torch.load reads tensors and plain data only, whatever
+TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says. The code planted here appends a line to a file when it runs:
+the file's lines count the processes that ran it. The checkpoints carry the trainer under test
+(--trainer FILE of pytest), which the tools are given as --trainer.
 
     python -m pytest tests/test_checkpoint_code.py -q
 """
@@ -13,13 +15,17 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import uuid
+from dataclasses import asdict
 
 import helpers
 import pytest
 import tiktoken
 import torch
 from helpers import REPO
+from helpers import TRAINER
 from helpers import launch_env
 from helpers import run_process
 
@@ -38,6 +44,9 @@ STAND_IN = tiktoken.Encoding("stand-in", pat_str=r"[\s\S]",
 RANKS = helpers.RANKS
 EXAMPLE = json.dumps(dict(ctx="A man", endings=["sat.", "ran."], label=0)) + "\n"
 TOOLS = ["hellaswag", "sample"]
+# the trainer under test, as the tools are given it
+WITH_TRAINER = ["--trainer", str(TRAINER)]
+REPOSITORY_TRAINER = REPO / "train_gpt.py"
 
 
 def sha256(data):
@@ -97,7 +106,6 @@ def no_trainer_imported_yet(monkeypatch):
     """Each test imports the sources it gives afresh (the tools import each source once per
     process); the trainer modules imported before it are put back after it, so that other tests'
     models and the modules their classes name stay one."""
-    monkeypatch.setattr(common, "TRAINERS", {})
     for name in [name for name in sys.modules if name.startswith("trainer_")]:
         monkeypatch.delitem(sys.modules, name)
 
@@ -134,27 +142,46 @@ def built_by_line(err, path, source):
     return lines[0]
 
 
-# --- a source that is no file you have ------------------------------------------------------------
+# --- a source that is not this repository's train_gpt.py ---------------------------------------
+
+@pytest.fixture
+def in_the_repository():
+    """A folder of its own under the repository's logs/ (which git ignores), removed after."""
+    folder = REPO / "logs" / f"test-{uuid.uuid4().hex}"
+    folder.mkdir(parents=True)
+    yield folder
+    shutil.rmtree(folder)
+    if not any((REPO / "logs").iterdir()):
+        (REPO / "logs").rmdir()
+
 
 @pytest.mark.parametrize("tool", TOOLS)
 @pytest.mark.parametrize("how", ["after the docstring", "at the end", "stale source_sha256",
-                                 "recorded script changed"])
-def test_a_source_you_do_not_have_is_refused_before_any_of_it_runs(entries, data, tmp_path,
-                                                                   capsys, tool, how):
+                                 "recorded script is train_gpt.py", "recorded x.py beside it",
+                                 "a copy under the repository's logs"])
+def test_a_source_that_is_not_the_repository_trainer_is_refused_before_any_of_it_runs(
+        entries, data, tmp_path, capsys, monkeypatch, in_the_repository, tool, how):
     marker = tmp_path / "ran.txt"
     source = with_lines(entries["source"], planted(marker), at_end=how != "after the docstring")
     changed = dict(source=source, source_sha256=sha256(source))
     if how == "stale source_sha256":
         # names the honest source
         changed["source_sha256"] = entries["source_sha256"]
-    if how == "recorded script changed":
+    if how == "recorded script is train_gpt.py":
         # this repository's train_gpt.py, whose bytes are not the source's
-        changed["script"] = os.path.realpath(REPO / "train_gpt.py")
+        changed["script"] = os.path.realpath(REPOSITORY_TRAINER)
+    if how == "recorded x.py beside it":
+        # a bundle unpacked as it came: its script, relative, beside it in the working directory
+        (tmp_path / "x.py").write_bytes(source)
+        monkeypatch.chdir(tmp_path)
+        changed["script"] = "x.py"
+    if how == "a copy under the repository's logs":
+        (in_the_repository / "x.py").write_bytes(source)
+        changed["script"] = "/elsewhere/x.py"
     checkpoint = save(tmp_path / "state.pt", entries, **changed)
     assert run_tool(tool, checkpoint, data) == 1
     line = one_error_line(capsys)
-    # the two planted lines are the difference from train_gpt.py
-    assert sha256(source) in line and " 2 lines " in line
+    assert sha256(source) in line and "not this repository's train_gpt.py" in line
     assert "--trainer FILE" in line and "--trust_checkpoint_code" in line
     assert not marker.exists()
 
@@ -174,7 +201,7 @@ def test_trust_checkpoint_code_runs_it_after_one_warning(entries, data, tmp_path
 def test_show_source_prints_the_difference_and_runs_nothing(entries, tmp_path, capsys):
     marker = tmp_path / "ran.txt"
     lines = planted(marker)
-    source = with_lines(entries["source"], lines, at_end=False)
+    source = with_lines(REPOSITORY_TRAINER.read_bytes(), lines, at_end=False)
     checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source))
     # no --data: HellaSwag is not read either
     for main in (hellaswag.main, sample.main):
@@ -191,43 +218,34 @@ def test_help_documents_the_options_that_choose_the_code(main, capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert "--trainer FILE" in out and "--trust_checkpoint_code" in out and "--show_source" in out
+    for option in ("--trainer FILE", "--trust_checkpoint_code", "--show_source", "--write_source"):
+        assert option in out
 
 
-# --- sources you have -----------------------------------------------------------------------------
+# --- sources you chose ----------------------------------------------------------------------------
 
-def test_a_fork_outside_the_repository_runs_from_its_script_and_once_moved_with_trainer(
-        entries, data, tmp_path, capsys, monkeypatch):
+def test_a_fork_runs_only_when_given_as_trainer_wherever_its_script_is(entries, data, tmp_path,
+                                                                        capsys):
     marker = tmp_path / "fork_ran.txt"
     fork = tmp_path / "fork" / "my_attempt.py"
     fork.parent.mkdir()
     # the fork's idea: a note that its code built the model
     source = with_lines(entries["source"], planted(marker), at_end=True)
     fork.write_bytes(source)
+    # it records its script, there with the same bytes: information, not consent
     checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source),
                       script=os.path.realpath(fork))
     for tool in TOOLS:
-        monkeypatch.setattr(common, "TRAINERS", {})
-        assert run_tool(tool, checkpoint, data) == 0
+        assert run_tool(tool, checkpoint, data) == 1
+        assert sha256(source) in one_error_line(capsys)
+    assert not marker.exists()
+    for tool in TOOLS:
+        assert run_tool(tool, checkpoint, data, "--trainer", str(fork)) == 0
         err = capsys.readouterr().err
         assert "warning:" not in err and "error:" not in err
         built_by_line(err, os.path.realpath(fork), source)
-    assert marker.read_text() == "ran\n" * 2
-    moved = tmp_path / "elsewhere" / "my_attempt.py"
-    moved.parent.mkdir()
-    fork.rename(moved)
-    for tool in TOOLS:
-        monkeypatch.setattr(common, "TRAINERS", {})
-        assert run_tool(tool, checkpoint, data) == 1
-        assert sha256(source) in one_error_line(capsys)
-    assert marker.read_text() == "ran\n" * 2
-    for tool in TOOLS:
-        monkeypatch.setattr(common, "TRAINERS", {})
-        assert run_tool(tool, checkpoint, data, "--trainer", str(moved)) == 0
-        err = capsys.readouterr().err
-        assert "warning:" not in err and "error:" not in err
-        built_by_line(err, os.path.realpath(moved), source)
-    assert marker.read_text() == "ran\n" * 4
+    # imported once in this process
+    assert marker.read_text() == "ran\n"
 
 
 def test_trainer_builds_the_model_from_that_file_and_warns_when_it_differs(entries, data,
@@ -235,7 +253,7 @@ def test_trainer_builds_the_model_from_that_file_and_warns_when_it_differs(entri
     marker = tmp_path / "ran.txt"
     source = with_lines(entries["source"], planted(marker), at_end=False)
     checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source))
-    mine = tmp_path / "mine" / "train_gpt.py"
+    mine = tmp_path / "mine" / TRAINER.name
     mine.parent.mkdir()
     mine.write_bytes(entries["source"])
     assert run_tool("sample", checkpoint, data, "--trainer", str(mine)) == 0
@@ -247,23 +265,51 @@ def test_trainer_builds_the_model_from_that_file_and_warns_when_it_differs(entri
     assert not marker.exists()
 
 
+def test_write_source_saves_the_carried_source_for_trainer_and_overwrites_nothing(
+        entries, data, tmp_path, capsys):
+    marker = tmp_path / "ran.txt"
+    source = with_lines(entries["source"], planted(marker), at_end=True)
+    checkpoint = save(tmp_path / "state.pt", entries, source=source, source_sha256=sha256(source))
+    written = tmp_path / "theirs.py"
+    assert sample.main([str(checkpoint), "--write_source", str(written)]) == 0
+    # and no temp file beside it
+    assert written.read_bytes() == source
+    assert sorted(os.listdir(tmp_path)) == ["state.pt", "theirs.py", "val.jsonl"]
+    assert f"then pass --trainer {written}" in capsys.readouterr().err
+    # again: the same bytes there already, kept
+    assert hellaswag.main([str(checkpoint), "--write_source", str(written)]) == 0
+    capsys.readouterr()
+    mine = tmp_path / "mine.py"
+    mine.write_bytes(b"# my own notes\n")
+    nowhere = tmp_path / "no_such_folder" / "theirs.py"
+    for target, message in [(mine, "exists, with other bytes"), (nowhere, "cannot write it")]:
+        assert sample.main([str(checkpoint), "--write_source", str(target)]) == 1
+        assert message in one_error_line(capsys)
+    assert mine.read_bytes() == b"# my own notes\n" and not nowhere.parent.exists()
+    assert not marker.exists()
+    assert run_tool("hellaswag", checkpoint, data, "--trainer", str(written)) == 0
+    assert marker.read_text() == "ran\n"
+
+
 # --- files that are not trainers ------------------------------------------------------------------
 
 @pytest.mark.parametrize("tool", TOOLS)
-def test_a_recorded_script_that_is_not_a_trainer_is_refused_before_any_of_it_runs(
+def test_a_trainer_file_that_is_not_a_trainer_is_refused_before_any_of_it_runs(
         entries, data, tmp_path, capsys, tool):
-    # any file whose bytes are the source it carries, as Python's own this.py would be
+    # any Python file, as Python's own this.py would be, or a checkpoint given in its place
     marker = tmp_path / "ran.txt"
     script = tmp_path / "this.py"
     script.write_text(planted(marker))
-    checkpoint = save(tmp_path / "state.pt", entries, source=script.read_bytes(),
-                      script=str(script))
-    assert run_tool(tool, checkpoint, data) == 1
-    line = one_error_line(capsys)
-    assert f"its trainer ({script} (sha256" in line
-    assert ("is not a trainer this tool can use: it does not define UserError, "
-            "check_launch_environment, setup_device, start_process_group; nothing of it was run: "
-            "pass --trainer FILE") in line
+    checkpoint = save(tmp_path / "state.pt", entries)
+    assert run_tool(tool, checkpoint, data, "--trainer", str(script)) == 1
+    # after the warning that it is not the source the checkpoint carries
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith("error: ") and f"its trainer ({script} (sha256" in line
+    assert ("is not a trainer this tool can use: it does not define UserError, setup_device, "
+            "start_process_group, Hyperparameters; nothing of it was run: pass --trainer "
+            "FILE") in line
+    assert run_tool(tool, checkpoint, data, "--trainer", str(checkpoint)) == 1
+    assert ", not Python (" in capsys.readouterr().err.splitlines()[-1]
     assert not marker.exists()
 
 
@@ -288,26 +334,40 @@ def test_a_trainer_without_a_name_the_tool_uses_is_refused_before_it_runs(entrie
         assert "error:" not in err and marker.read_text() == "ran\n"
 
 
+# --- checkpoints of this repository's train_gpt.py ------------------------------------------------
+
+@pytest.fixture
+def repository_checkpoint(tmp_path):
+    """The entries of a checkpoint of this repository's train_gpt.py (whatever trainer is under
+    test): a small model of its own, random, and its source."""
+    source = REPOSITORY_TRAINER.read_bytes()
+    trainer = common.trainer_from_source(source)
+    options = trainer.Hyperparameters(num_layers=6, num_heads=1, model_dim=8)
+    model = trainer.GPT.from_args(options)
+    return dict(step=1, model=model.state_dict(), args=asdict(options), source=source)
+
+
 def test_a_checkpoint_of_this_repository_trainer_needs_no_flag_wherever_it_was_written(
-        entries, data, tmp_path, capsys):
+        repository_checkpoint, data, tmp_path, capsys):
     # written on another machine, by the same train_gpt.py
-    checkpoint = save(tmp_path / "state.pt", entries, script="/elsewhere/nanogpt/train_gpt.py")
-    assert run_tool("hellaswag", checkpoint, data) == 0
-    err = capsys.readouterr().err
-    assert "warning:" not in err and "error:" not in err
-    built_by_line(err, os.path.realpath(REPO / "train_gpt.py"), entries["source"])
+    checkpoint = save(tmp_path / "state.pt", repository_checkpoint,
+                      script="/elsewhere/nanogpt/train_gpt.py")
+    for tool in TOOLS:
+        assert run_tool(tool, checkpoint, data) == 0
+        err = capsys.readouterr().err
+        assert "warning:" not in err and "error:" not in err
+        built_by_line(err, os.path.realpath(REPOSITORY_TRAINER), REPOSITORY_TRAINER.read_bytes())
 
 
 def test_a_checkpoint_without_source_is_scored_by_this_repository_trainer_after_a_warning(
-        entries, data, tmp_path, capsys):
-    old = {name: value for name, value in entries.items() if not name.startswith("source")}
+        repository_checkpoint, data, tmp_path, capsys):
+    old = {name: value for name, value in repository_checkpoint.items() if name != "source"}
     checkpoint = save(tmp_path / "state.pt", old)
     assert run_tool("hellaswag", checkpoint, data) == 0
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and "carries no trainer source" in warnings[0], err
-    repository_trainer = REPO / "train_gpt.py"
-    built_by_line(err, os.path.realpath(repository_trainer), repository_trainer.read_bytes())
+    built_by_line(err, os.path.realpath(REPOSITORY_TRAINER), REPOSITORY_TRAINER.read_bytes())
 
 
 # --- pickles: data only ---------------------------------------------------------------------------
@@ -368,10 +428,9 @@ def test_a_blocked_module_in_a_pickle_is_refused_without_torchs_advice(data, tmp
     torch.save({"model": RunsACommand(), "args": {}}, checkpoint)
     assert run_tool(tool, checkpoint, data) == 1
     line = one_error_line(capsys)
-    assert line.startswith(f"error: {checkpoint}: refused: unpickling it could run code, as it "
-                           f"holds more than tensors and plain data (Trying to load unsupported "
-                           f"GLOBAL {os.system.__module__}.system whose module")
-    assert "corrupt" not in line and "Re-running" not in line
+    assert line.startswith(f"error: {checkpoint}: refused: unpickling it could run code (it holds "
+                           "more than tensors and plain data")
+    assert "corrupt" not in line and "weights_only" not in line
 
 
 @pytest.mark.parametrize("tool", TOOLS)

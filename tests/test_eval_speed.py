@@ -5,9 +5,11 @@ against greedy full forwards of a trained smoke checkpoint, its cost per token, 
     python -m pytest tests/test_eval_speed.py            # the slow test trains the smoke preset
 
 On a CPU the HellaSwag function runs uncompiled: these tests check its padding and fixed length,
-and that on CUDA it is the compiled one, not the compiled kernel itself (a GPU's)."""
+and that on CUDA it is the compiled one, not the compiled kernel itself (a GPU's). Checkpoints are
+built by the trainer under test (--trainer FILE of pytest)."""
 import copy
 import functools
+import math
 import random
 
 import helpers
@@ -16,6 +18,7 @@ import pytest
 import tiktoken
 import torch
 import torch.nn.functional as F
+from helpers import TRAINER
 from torch.utils.flop_counter import FlopCounterMode
 
 import train_gpt
@@ -84,7 +87,7 @@ def test_fixed_length_hellaswag_matches_each_candidate_scored_alone_in_float64(m
         return recorded
     monkeypatch.setattr(hellaswag, "loss_per_token", recording)
     # 128 tokens a forward: several sequences, the last one mostly padding
-    acc_norm, acc, n, details = hellaswag.evaluate(model, rendered, labels, 2, torch.device("cpu"),
+    acc_norm, acc, n, details = hellaswag.evaluate(model, rendered, labels, torch.device("cpu"),
                                                    sequence_length=128)
     assert len(shapes) > 2 and set(shapes) == {((128,), (128,))}
     assert f"in {len(shapes)} sequences of up to 128)" in details
@@ -99,7 +102,7 @@ def test_fixed_length_hellaswag_matches_each_candidate_scored_alone_in_float64(m
         by_sum += int(np.argmin(sums)) == label
         if context == examples[0][0]:
             # and the sums themselves, before any argmin
-            packed, _, _, _, _ = hellaswag.score(model, candidates, 2, torch.device("cpu"), 128)
+            packed, _, _, _ = hellaswag.score(model, candidates, torch.device("cpu"), 128)
             torch.testing.assert_close(packed, torch.from_numpy(sums), rtol=1e-6, atol=0)
     assert (n, acc_norm, acc) == (3, by_mean / 3, by_sum / 3)
 
@@ -119,7 +122,7 @@ def test_hellaswag_forward_is_compiled_on_cuda_and_plain_on_a_cpu():
 @pytest.fixture
 def smoke_checkpoint(smoke_runs):
     """The checkpoint of the session's short smoke run (made once, shared with other tests:
-    4 steps of the smoke preset on the Markov shards; its window ends at 4 blocks, 512 tokens)."""
+    4 steps of the smoke preset on the Markov shards)."""
     log = smoke_runs.short(1)
     (path,) = log.parent.glob(f"{log.stem}/state_step000004.pt")
     return path
@@ -147,27 +150,27 @@ def argmax_rows_of_a_full_forward(model, document, first):
 
 @pytest.mark.slow
 def test_cached_greedy_text_equals_full_forwards_on_a_trained_checkpoint(smoke_checkpoint):
-    model, options = common.load_model(smoke_checkpoint, torch.device("cpu"))
-    window_blocks = common.trained_window_blocks(options)
-    window = window_blocks * train_gpt.BLOCK_SIZE
-    assert window == 512
+    trainer, checkpoint, _ = common.open_checkpoint(smoke_checkpoint, str(TRAINER))
+    model, _ = common.build_model(trainer, checkpoint, smoke_checkpoint, torch.device("cpu"))
     # in fp32, the numerics the sampler runs in (it would make this copy itself), and so the
     # reference: bf16's rounding could flip a tie
     model.float()
     stream = train_gpt.markov_stream(4000, seed=5).tolist()
-    # (prompt, new tokens): short and long prompts, up to the whole window; the third crosses a
-    # block's edge as it generates (121 to 137 tokens); the last two hold the end of a document
-    # and the start of the next (EOT). The chain's next token barely depends on the document
+    # (prompt, new tokens): short and long prompts, up to 4 blocks; the third crosses a block's
+    # edge as it generates (121 to 137 tokens); the last two hold the end of a document and the
+    # start of the next (EOT). The chain's next token barely depends on the document
     # before: the test below checks the cache's mask on the logits themselves
     prompts = [(stream[1:1], 12), (stream[1:6], 12), (stream[300:420], 16), (stream[10:500], 21)]
     assert [prompt.count(EOT) > 0 for prompt, _ in prompts] == [False, False, True, True]
     for prompt, new in prompts:
+        # as sample.py does: a window of the whole document
+        window_blocks = math.ceil((1 + len(prompt) + new) / train_gpt.BLOCK_SIZE)
         generated = sample.generate(model, prompt, new, window_blocks, GPT2_IDS)
         assert generated[:len(prompt)] == prompt and len(generated) == len(prompt) + new
         # the row of the prompt's last token (EOT first) chooses the first new token
         chosen = argmax_rows_of_a_full_forward(model, [EOT, *generated], len(prompt))
         assert generated[len(prompt):] == chosen
-    assert 1 + len(prompts[-1][0]) + prompts[-1][1] == window
+    assert 1 + len(prompts[-1][0]) + prompts[-1][1] == 4 * train_gpt.BLOCK_SIZE
 
 
 @pytest.mark.slow
@@ -239,8 +242,10 @@ RANKS = helpers.RANKS
 def test_sample_cli_prints_each_of_num_samples(tmp_path, capsys):
     options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=8)
     path = tmp_path / "state.pt"
-    torch.save(dict(step=1, model=small_model(4).state_dict(), args=vars(options)), path)
-    command = [str(path), "--prompt", "Hi", "--max_new_tokens", "3", "--tokenizer", str(RANKS)]
+    torch.save(dict(step=1, model=small_model(4).state_dict(), args=vars(options),
+                    source=TRAINER.read_bytes()), path)
+    command = [str(path), "--prompt", "Hi", "--max_new_tokens", "3", "--tokenizer", str(RANKS),
+               "--trainer", str(TRAINER)]
     assert sample.main([*command, "--num_samples", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0::2] == [f"--- sample {i} of 3" for i in (1, 2, 3)]

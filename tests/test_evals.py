@@ -1,7 +1,8 @@
 """evals/: HellaSwag's packed scorer against each candidate scored alone in float64, greedy sampling
 against the argmax of full forwards, the download against a stand-in server on 127.0.0.1, a real
 smoke run's checkpoint, 2 processes, the trainer's --hellaswag, and the one-line errors. Tokenizers
-of our own stand in for GPT-2's: only the run as users make it needs GPT-2's ranks file."""
+of our own stand in for GPT-2's: only the run as users make it needs GPT-2's ranks file. The
+checkpoints carry the trainer under test, which the tools are given as --trainer FILE."""
 import copy
 import functools
 import http.server
@@ -17,6 +18,7 @@ import pytest
 import tiktoken
 import torch
 from helpers import REPO
+from helpers import TRAINER
 from helpers import finished_log
 from helpers import launch_env
 from helpers import ranks_of
@@ -31,6 +33,8 @@ from evals import sample
 RANKS = helpers.RANKS
 needs_ranks = helpers.needs_ranks
 CPU = torch.device("cpu")
+# the trainer under test, as the tools are given it
+WITH_TRAINER = ["--trainer", str(TRAINER)]
 EOT = train_gpt.EOT
 END_OF_TEXT = {"<|endoftext|>": EOT}
 # a token per byte (ids 0-255), and 50256
@@ -62,11 +66,17 @@ def tiny_model(dtype=torch.float64, seed=0):
 
 def write_checkpoint(path, model):
     """The entries of the trainer's checkpoints that the tools read: the weights, the options and
-    the trainer's source; saved at the end of the run, with its final attention window."""
+    the trainer's source; saved at the end of the run."""
     options = train_gpt.Hyperparameters(num_layers=6, num_heads=1, model_dim=8, bf16_embeds=False)
     torch.save(dict(step=options.num_iterations, model=model.state_dict(), args=asdict(options),
-                    source=train_gpt.SOURCE), path)
+                    source=TRAINER.read_bytes()), path)
     return path
+
+
+def load_model(path):
+    """The checkpoint's model as the tools build it, with the trainer under test, on the CPU."""
+    trainer, checkpoint, _ = common.open_checkpoint(path, str(TRAINER))
+    return common.build_model(trainer, checkpoint, path, CPU)[0]
 
 
 def text(rng, low, high):
@@ -116,11 +126,10 @@ def reference_counts(model, examples, tokenizer):
 
 # --- HellaSwag: the scorer ------------------------------------------------------------------------
 
-def test_packing_keeps_each_document_within_the_window_and_the_sequence():
-    # window 1: 100 at 100 would span blocks 0-1, so it starts at 128; 60 at 228 would span 1-2: at
-    # 256; 120 at 316 would span 2-3, and at 384 it would end past the sequence: the next sequence
-    assert hellaswag.pack([100, 100, 60, 120], 384, 1, 128) == [(0, 0), (0, 128), (0, 256), (1, 0)]
-    assert hellaswag.pack([100, 100, 60], 512, 2, 128) == [(0, 0), (0, 100), (0, 200)]
+def test_packing_puts_documents_end_to_end_and_none_across_a_sequence_end():
+    # 124 at 260 ends the sequence of 384 exactly; 130 after it would not fit: the next sequence
+    places = [(0, 0), (0, 100), (0, 200), (0, 260), (1, 0), (2, 0)]
+    assert hellaswag.pack([100, 100, 60, 124, 130, 384], 384) == places
 
 
 @pytest.mark.slow
@@ -133,15 +142,11 @@ def test_packed_scores_equal_each_candidate_scored_alone_in_float64():
     for table in [model.embed, *model.value_embeds]:
         table.bfloat16()
     in_float64 = copy.deepcopy(model).double()
-    # a trained window of 1 block, which the long candidates (190 to 216 tokens) widen to 2
-    sums, counts, sequences, tokens, window = hellaswag.score(model, candidates, 1, CPU, 512)
+    # candidates of up to 216 tokens, across blocks of 128, in sequences of 512
+    sums, counts, sequences, tokens = hellaswag.score(model, candidates, CPU, 512)
     assert model.embed.weight.dtype == torch.bfloat16  # the model given is left as it was
     lengths = [len(t) for t, _ in candidates]
-    places = hellaswag.pack(lengths, 512, 2, 128)
-    ends = [offset + n for (_, offset), n in zip(places, lengths)]
-    moved = [b for a, b, end in zip(places, places[1:], ends) if b[1] and b[1] != end]
-    # widened, in several sequences, some candidates moved to a block's start
-    assert window == 2 and sequences > 1 and moved
+    assert sequences > 1 and max(lengths) > 128
     assert tokens == sum(lengths) and counts.tolist() == [len(t) - s for t, s in candidates]
     reference = torch.tensor([score_alone(in_float64, c) for c in candidates], dtype=torch.float64)
     # the same weights in float64 (whose attention and rotary still run in fp32): 1.2e-7 measured
@@ -217,7 +222,8 @@ def own_tokenizer(monkeypatch):
 def test_hellaswag_cli_prints_the_scores_last(checkpoint, tmp_path, capsys, own_tokenizer):
     examples = random_examples(seed=3, count=3)
     data = write_jsonl(tmp_path / "val.jsonl", examples)
-    assert hellaswag.main([str(checkpoint), "--data", str(data), "--limit", "2"]) == 0
+    options = ["--data", str(data), "--limit", "2", *WITH_TRAINER]
+    assert hellaswag.main([str(checkpoint), *options]) == 0
     lines = capsys.readouterr().out.splitlines()
     # the same weights in float64
     by_mean, by_sum = reference_counts(tiny_model(), examples[:2], PAIRS)
@@ -229,7 +235,8 @@ def test_sample_cli_prints_the_prompt_and_its_continuation(checkpoint, capsys, o
     model = tiny_model(torch.float32)
     # spaces and a newline at both ends: nothing stripped
     prompt = "  Hello,\n world  "
-    assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "5"]) == 0
+    assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "5",
+                        *WITH_TRAINER]) == 0
     prompt_tokens = PAIRS.encode_ordinary(prompt)
     tokens = sample.generate(model, prompt_tokens, 5, 14, PAIRS.n_vocab)
     assert capsys.readouterr().out == prompt + PAIRS.decode(tokens[len(prompt_tokens):]) + "\n"
@@ -269,20 +276,35 @@ def test_a_bad_checkpoint_is_one_error_line(checkpoint, tmp_path, capsys, own_to
     for name, content in damaged.items():
         if content is not None:
             (tmp_path / name).write_bytes(content)
-        assert hellaswag.main([str(tmp_path / name), "--data", str(data)]) == 1
+        assert hellaswag.main([str(tmp_path / name), "--data", str(data), *WITH_TRAINER]) == 1
         assert name in error_line(capsys)
-        assert sample.main([str(tmp_path / name)]) == 1
+        assert sample.main([str(tmp_path / name), *WITH_TRAINER]) == 1
         assert name in error_line(capsys)
 
 
-@pytest.mark.record18
-def test_sampling_past_the_trained_window_is_refused(checkpoint, capsys, own_tokenizer):
-    # 1,791 tokens of "xx": with 50256, the whole window of the default options
-    prompt = "x" * 2 * 1791
-    assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "0"]) == 0
-    assert capsys.readouterr().out == prompt + "\n"
-    assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "1"]) == 1
-    assert "attention window of 1792 tokens" in error_line(capsys)
+def test_sampling_past_the_models_positions_is_one_line(checkpoint, capsys, own_tokenizer):
+    # 65,535 tokens of "xx" (a pair is a token): with 50256 and one new token, one too many
+    prompt = "x" * 2 * 65535
+    options = [str(checkpoint), "--prompt", prompt, *WITH_TRAINER, "--max_new_tokens"]
+    assert sample.main([*options, "1"]) == 1
+    assert "exceed the model's 65536 positions" in error_line(capsys)
+
+
+@needs_ranks
+def test_the_shipped_examples_score_a_checkpoint_offline_as_help_says(checkpoint, capsys):
+    data = REPO / "evals" / "smoke_hellaswag.jsonl"
+    examples = hellaswag.read_examples(data)
+    assert len(examples) >= 24 and all(len(endings) == 4 for _, endings, _ in examples)
+    assert {label for *_, label in examples} == {0, 1, 2, 3}
+    with pytest.raises(SystemExit):
+        hellaswag.main(["--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "--data evals/smoke_hellaswag.jsonl" in usage and "--tokenizer FILE" in usage
+    # every example renders with GPT-2's BPE; the first 12 are scored
+    assert len(hellaswag.render(examples, common.encoding(RANKS))) == len(examples)
+    assert hellaswag.main([str(checkpoint), "--data", str(data), "--tokenizer", str(RANKS),
+                           "--limit", "12", *WITH_TRAINER]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(" n=12")
 
 
 # --- the download ---------------------------------------------------------------------------------
@@ -343,13 +365,14 @@ def test_tools_read_a_checkpoint_the_trainer_wrote(smoke_runs, tmp_path, capsys,
     (checkpoint,) = log.parent.glob(f"{log.stem}/state_step*.pt")
     examples = random_examples(seed=5, count=2)
     data = write_jsonl(tmp_path / "val.jsonl", examples)
-    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 0
+    assert hellaswag.main([str(checkpoint), "--data", str(data), *WITH_TRAINER]) == 0
     # its bf16 tables are scored in fp32: as in float64, but for 1e-7 of rounding
-    model, _ = common.load_model(checkpoint, CPU)
+    model = load_model(checkpoint)
     by_mean, by_sum = reference_counts(model.double(), examples, PAIRS)
     result = f"hellaswag: acc_norm={by_mean / 2:.4f} acc={by_sum / 2:.4f} n=2"
     assert capsys.readouterr().out.splitlines()[-1] == result
-    assert sample.main([str(checkpoint), "--prompt", "Once upon", "--max_new_tokens", "3"]) == 0
+    assert sample.main([str(checkpoint), "--prompt", "Once upon", "--max_new_tokens", "3",
+                        *WITH_TRAINER]) == 0
     assert capsys.readouterr().out.startswith("Once upon")
 
 
@@ -361,17 +384,15 @@ def test_two_processes_score_as_one(tmp_path):
     data = write_jsonl(tmp_path / "val.jsonl", random_examples(seed=6, count=3))
     launch = torchrun(2, "--log-dir", tmp_path / "ranks", "--redirects", "3",
                       REPO / "evals" / "hellaswag.py", checkpoint, "--data", data, "--tokenizer",
-                      RANKS)
+                      RANKS, *WITH_TRAINER)
     result = run_process(launch, 300, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"))
     ranks = ranks_of(tmp_path / "ranks")
     part = SimpleNamespace(stdout=[rank["stdout"] for rank in ranks],
                            stderr=[rank["stderr"] for rank in ranks])
     # torchrun's exit code is 0 when every rank's is
     assert result.returncode == 0, part.stderr[0][-3000:] + part.stderr[1][-3000:]
-    model, options = common.load_model(checkpoint, CPU)
     rendered, labels = hellaswag.prepare(data, RANKS)
-    window_blocks = common.trained_window_blocks(options)
-    acc_norm, acc, n, _ = hellaswag.evaluate(model, rendered, labels, window_blocks, CPU)
+    acc_norm, acc, n, _ = hellaswag.evaluate(load_model(checkpoint), rendered, labels, CPU)
     # rank 0 prints the counts summed over both; rank 1 prints nothing
     lines = part.stdout[0].splitlines()
     assert lines[-1] == hellaswag.result_line(acc_norm, acc, n) and n == 3
@@ -400,7 +421,7 @@ def test_trainer_scores_hellaswag_after_the_last_step(markov_shards, tmp_path, c
     assert lines[-3].startswith("hellaswag: 3 examples in ")
     assert "sequences of up to 128)" in lines[-3]
     assert re.fullmatch(r"hellaswag: peak memory \d+ MiB", lines[-2])
-    model, _ = common.load_model(next(log.parent.glob(f"{log.stem}/state_step000001.pt")), CPU)
+    model = load_model(next(log.parent.glob(f"{log.stem}/state_step000001.pt")))
     by_mean, by_sum = reference_counts(model.double(), examples, PAIRS)
     assert lines[-1] == f"hellaswag: acc_norm={by_mean / 3:.4f} acc={by_sum / 3:.4f} n=3"
     # a file that is not HellaSwag's format stops the run before anything is written

@@ -1,15 +1,15 @@
 """evals/ start like the trainer, and the trainer's --hellaswag stops like its training: torchrun's
 variables left over, files that are not regular (a named pipe, /dev/zero, a folder), options out of
-range, a closed stdout, a download cut midway, a bad byte in a data file, torchrun's error file, a
-stop signal during the HellaSwag after training. Each case is checked against what the user is
-left with: the exit code, the last line, stdout, the files.
+range, a closed stdout, a download cut midway, a bad byte in a data file, a checkpoint whose
+weights or options do not fit its trainer, a stop signal during the HellaSwag after training. Each
+case is checked against what the user is left with: the exit code, the last line, stdout, the
+files. The checkpoints carry the trainer under test, which the tools are given as --trainer FILE.
 
     python -m pytest tests/test_evals_faults.py -q
 """
 import contextlib
 import errno
 import http.server
-import io
 import json
 import os
 import signal
@@ -24,6 +24,7 @@ import pytest
 import tiktoken
 import torch
 from helpers import REPO
+from helpers import TRAINER
 from helpers import finished_log
 from helpers import launch_env
 from helpers import started
@@ -40,6 +41,8 @@ STAND_IN = tiktoken.Encoding(
     mergeable_ranks={**{bytes([i]): i for i in range(256)},
                      **{b"\xff\xff" + i.to_bytes(2, "big"): i for i in range(256, train_gpt.EOT)}})
 EXAMPLE = json.dumps(dict(ctx="A man", endings=["sat.", "ran."], label=0)) + "\n"
+# the trainer under test, as the tools are given it
+WITH_TRAINER = ["--trainer", str(TRAINER)]
 
 
 def save_small_model(path):
@@ -53,7 +56,7 @@ def save_small_model(path):
             if p.ndim == 2:
                 p.normal_(0, p.size(1) ** -0.5)
     torch.save(dict(step=1, model=model.state_dict(), args=asdict(options),
-                    source=train_gpt.SOURCE), path)
+                    source=TRAINER.read_bytes()), path)
     return path
 
 
@@ -86,8 +89,8 @@ def one_error_line(capsys):
 
 def run_both(checkpoint, data, *options):
     """hellaswag.py and sample.py on the checkpoint with the options: their exit codes."""
-    return (hellaswag.main([str(checkpoint), "--data", str(data), *options]),
-            sample.main([str(checkpoint), "--max_new_tokens", "1", *options]))
+    return (hellaswag.main([str(checkpoint), "--data", str(data), *WITH_TRAINER, *options]),
+            sample.main([str(checkpoint), "--max_new_tokens", "1", *WITH_TRAINER, *options]))
 
 
 # --- torchrun's variables left over in a shell ---------------------------------------------------
@@ -102,10 +105,10 @@ def test_leftover_torchrun_variables_are_one_line_on_every_tool(checkpoint, data
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 1
+    assert hellaswag.main([str(checkpoint), "--data", str(data), *WITH_TRAINER]) == 1
     line = one_error_line(capsys)
     assert "not started by torchrun" in line and f"`unset {' '.join(variables)}` first" in line
-    assert sample.main([str(checkpoint)]) == 1
+    assert sample.main([str(checkpoint), *WITH_TRAINER]) == 1
     assert one_error_line(capsys) == line
 
 
@@ -141,7 +144,8 @@ def named_pipe(path):
 
 def test_a_named_pipe_is_refused_without_being_opened(checkpoint, data, tmp_path, capsys):
     cases = [("checkpoint", lambda pipe: run_both(pipe, data)),
-             ("--data", lambda pipe: (hellaswag.main([str(checkpoint), "--data", str(pipe)]),)),
+             ("--data", lambda pipe: (hellaswag.main([str(checkpoint), "--data", str(pipe),
+                                                      *WITH_TRAINER]),)),
              ("--tokenizer", lambda pipe: run_both(checkpoint, data, "--tokenizer", str(pipe)))]
     for name, run in cases:
         pipe = tmp_path / f"{name.strip('-')}.fifo"
@@ -189,15 +193,15 @@ def test_a_device_or_a_folder_is_refused_without_being_read(checkpoint, data, tm
 ])
 def test_an_option_out_of_range_is_one_line(checkpoint, data, capsys, tool, options, message):
     if tool == "sample":
-        assert sample.main([str(checkpoint), *options]) == 1
+        assert sample.main([str(checkpoint), *WITH_TRAINER, *options]) == 1
     else:
-        assert hellaswag.main([str(checkpoint), "--data", str(data), *options]) == 1
+        assert hellaswag.main([str(checkpoint), "--data", str(data), *WITH_TRAINER, *options]) == 1
     assert message in one_error_line(capsys)
 
 
 def test_the_smallest_temperature_draws_the_greedy_tokens(checkpoint, capsys):
     # logits of about 1e46 in float64: the likeliest token with probability 1
-    options = [str(checkpoint), "--prompt", "Hello", "--max_new_tokens", "4"]
+    options = [str(checkpoint), "--prompt", "Hello", "--max_new_tokens", "4", *WITH_TRAINER]
     assert sample.main(options) == 0
     greedy = capsys.readouterr().out
     for temperature in ("1e-45", "1.9e-270"):
@@ -214,7 +218,7 @@ def test_a_closed_stdout_is_quiet(tmp_path):
     path = tmp_path / "state.pt"
     save_small_model(path)
     command = [sys.executable, str(REPO / "evals" / "sample.py"), str(path),
-               "--max_new_tokens", "2", "--tokenizer", str(RANKS)]
+               "--max_new_tokens", "2", "--tokenizer", str(RANKS), *WITH_TRAINER]
     read, write = os.pipe()
     os.close(read)
     with os.fdopen(write, "wb") as closed, started(
@@ -259,7 +263,7 @@ def test_a_download_cut_midway_is_one_line_and_saves_nothing(checkpoint, tmp_pat
     blob_id = hellaswag.git_blob_id(full)
     monkeypatch.setattr(hellaswag.download, "__defaults__", (cached, server.url, blob_id, "--data"))
     try:
-        assert hellaswag.main([str(checkpoint)]) == 1
+        assert hellaswag.main([str(checkpoint), *WITH_TRAINER]) == 1
     finally:
         server.shutdown()
         server.server_close()
@@ -291,32 +295,27 @@ def test_the_download_temp_file_names_host_and_process(tmp_path, monkeypatch):
 def test_a_bad_byte_is_reported_with_its_line(checkpoint, tmp_path, capsys):
     data = tmp_path / "val.jsonl"
     data.write_bytes(EXAMPLE.encode() * 2 + b'{"ctx": "caf\xe9", "endings": ["a", "b"]}\n')
-    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 1
+    assert hellaswag.main([str(checkpoint), "--data", str(data), *WITH_TRAINER]) == 1
     assert f"--data {data}, line 3: not UTF-8 text" in one_error_line(capsys)
 
 
-def test_under_torchrun_the_error_line_is_left_in_its_error_file(checkpoint, data, tmp_path,
-                                                                  capsys, monkeypatch,
-                                                                  torchrun_worker):
-    error_file = tmp_path / "error.json"
+def test_under_torchrun_the_first_process_of_a_node_prints_the_error_line(checkpoint, data,
+                                                                          capsys, monkeypatch,
+                                                                          torchrun_worker):
     torchrun_worker()
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     assert hellaswag.main([str(checkpoint), "--data", str(data), "--limit", "0"]) == 1
-    line = one_error_line(capsys)
-    assert json.loads(error_file.read_text())["message"]["message"] == line
-    # the second process of a node leaves its line in its file, but the console has it once
+    assert "--limit must be at least 1" in one_error_line(capsys)
+    # the second process of a node: the console has the line once
     monkeypatch.setenv("LOCAL_RANK", "1")
-    error_file.unlink()
     assert sample.main([str(checkpoint), "--top_k", "-1"]) == 1
     assert capsys.readouterr() == ("", "")
-    assert "--top_k must be at least 0" in json.loads(error_file.read_text())["message"]["message"]
 
 
 def test_ctrl_c_in_a_tool_is_one_line_and_130(checkpoint, data, capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(hellaswag, "score", interrupted)
-    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 130
+    assert hellaswag.main([str(checkpoint), "--data", str(data), *WITH_TRAINER]) == 130
     out, err = capsys.readouterr()
     # after the line that names the script that built the model
     assert out == "" and err.splitlines()[1:] == ["stopped by SIGINT"]
@@ -416,9 +415,9 @@ def test_a_full_stdout_is_one_error_line(checkpoint, data, tmp_path, capsys, mon
     with open("/dev/full", "w") as full:
         monkeypatch.setattr(sys, "stdout", full)
         if tool == "hellaswag":
-            code = hellaswag.main([str(checkpoint), "--data", str(data)])
+            code = hellaswag.main([str(checkpoint), "--data", str(data), *WITH_TRAINER])
         elif tool == "sample":
-            code = sample.main([str(checkpoint), "--max_new_tokens", "1"])
+            code = sample.main([str(checkpoint), "--max_new_tokens", "1", *WITH_TRAINER])
         else:
             code = sample.main([str(checkpoint), "--show_source"])
         err = capsys.readouterr().err
@@ -436,7 +435,8 @@ def test_memory_that_runs_out_is_one_line_saying_to_ask_for_less(checkpoint, cap
     def generate_batch(*args, **kwargs):
         raise failure
     monkeypatch.setattr(sample, "generate_batch", generate_batch)
-    code = sample.main([str(checkpoint), "--max_new_tokens", "1", "--num_samples", "100000000"])
+    code = sample.main([str(checkpoint), "--max_new_tokens", "1", "--num_samples", "100000000",
+                        *WITH_TRAINER])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
     assert err.splitlines()[-1].startswith("error: out of memory (") and "fewer --num_samples" in err
@@ -447,19 +447,10 @@ def test_another_runtime_error_keeps_its_traceback(checkpoint, monkeypatch):
         raise RuntimeError("a bug")
     monkeypatch.setattr(sample, "generate_batch", generate_batch)
     with pytest.raises(RuntimeError, match="a bug"):
-        sample.main([str(checkpoint), "--max_new_tokens", "1"])
+        sample.main([str(checkpoint), "--max_new_tokens", "1", *WITH_TRAINER])
 
 
-def test_text_the_console_cannot_show_is_printed_with_replacement_characters(checkpoint,
-                                                                             monkeypatch):
-    console = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
-    monkeypatch.setattr(sys, "stdout", console)
-    code = sample.main([str(checkpoint), "--prompt", "caf\u00e9 \u2192", "--max_new_tokens", "0"])
-    assert code == 0
-    assert console.buffer.getvalue() == "caf\u00e9 ?\n".encode("latin-1")
-
-
-# --- a checkpoint's options -----------------------------------------------------------------------
+# --- a checkpoint's options and weights -----------------------------------------------------------
 
 @pytest.mark.parametrize("changed,message", [
     (dict(num_iterations=0), "(--num_iterations must be at least 1; got 0)"),
@@ -477,11 +468,50 @@ def test_a_checkpoint_with_invalid_options_is_one_line(checkpoint, data, tmp_pat
                                                     f"invalid {message}") for line in errors)
 
 
-def test_a_checkpoint_saved_before_the_end_has_the_window_of_its_step(checkpoint, capsys):
-    # saved at step 1 of 1,390: a window of 1 block, 128 tokens (14 at the end)
-    prompt = "x" * 127
-    assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "0"]) == 0
-    assert capsys.readouterr().out == prompt + "\n"
-    assert sample.main([str(checkpoint), "--prompt", prompt, "--max_new_tokens", "1"]) == 1
-    assert ("attention window of 128 tokens (the one it had at step 1, when the checkpoint was "
-            "saved)") in one_error_line(capsys)
+def test_options_the_trainer_lacks_are_named_in_a_warning(checkpoint, tmp_path, capsys):
+    entries = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    other = tmp_path / "other.pt"
+    torch.save({**entries, "args": {**entries["args"], "option_of_another_fork": 3}}, other)
+    assert sample.main([str(other), "--max_new_tokens", "1", *WITH_TRAINER]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "--option_of_another_fork 3" in warnings[0]
+
+
+def test_options_that_ask_for_an_impossible_model_are_named_as_options(checkpoint, data, tmp_path,
+                                                                        capsys):
+    entries = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    invalid = tmp_path / "invalid.pt"
+    torch.save({**entries, "args": {**entries["args"], "model_dim": 100, "num_heads": 6}}, invalid)
+    assert run_both(invalid, data) == (1, 1)
+    for line in capsys.readouterr().err.splitlines():
+        assert line.startswith(f"error: {invalid}: its saved options are invalid (")
+        assert "--model_dim" in line
+    # a trainer whose rules let them through: the model cannot be built with them
+    lenient = tmp_path / "lenient.py"
+    lenient.write_bytes(TRAINER.read_bytes() + b"\n\ndef check_hyperparameters(args):\n    pass\n")
+    torch.save({**entries, "args": {**entries["args"], "num_heads": 0}}, invalid)
+    assert sample.main([str(invalid), "--trainer", str(lenient)]) == 1
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith(f"error: {invalid}: its options (") and "--num_heads 0" in line
+    assert "ask for a model its trainer cannot build (ZeroDivisionError" in line
+
+
+def test_weights_that_do_not_fit_name_the_first_mismatch_and_both_shapes(checkpoint, data, tmp_path,
+                                                                          capsys):
+    entries = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    weights = dict(entries["model"])
+    # the first matrix, with 8 rows more
+    name = next(name for name, tensor in weights.items() if tensor.ndim == 2)
+    rows, columns = weights[name].shape
+    weights[name] = torch.zeros(rows + 8, columns)
+    other = tmp_path / "other.pt"
+    torch.save({**entries, "model": weights}, other)
+    assert run_both(other, data) == (1, 1)
+    for line in capsys.readouterr().err.splitlines():
+        assert line.startswith(f"error: {other}: its weights do not fit the model its trainer "
+                               f"builds ({name} is ({rows + 8}, {columns}) there, ({rows}, "
+                               f"{columns}) in the model): pass --trainer FILE")
+    del weights[name]
+    torch.save({**entries, "model": weights}, other)
+    assert sample.main([str(other), *WITH_TRAINER]) == 1
+    assert f"(the model's {name} is not in the checkpoint)" in one_error_line(capsys)

@@ -1,10 +1,11 @@
-"""A fork, end to end: train_gpt.py copied under another name into another folder, its softcap and
-its MLP's activation changed there, trains the smoke preset (narrowed, 4 steps) and saves a
-checkpoint; the repository's evals/hellaswag.py and evals/sample.py score and continue with it as
-the fork's model: their scores and greedy text equal those of the fork's own module (each
-candidate scored alone in float64, greedy by full forwards), and differ from the original
-trainer's with the same weights. Also: one trainer module per process, with --hellaswag and with
-the tools alone (one process, which forgets the repository's modules between the two).
+"""A fork, end to end: the trainer under test copied under another name into another folder, an idea
+of its own added there (a fixed bias on the logits it returns), trains the smoke preset (narrowed,
+4 steps) and saves a checkpoint; the repository's evals/hellaswag.py and evals/sample.py, given the
+fork as --trainer FILE, score and continue with it as the fork's model: their scores and greedy text
+equal those of the fork's own module (each candidate scored alone in float64, greedy by full
+forwards), and differ from the original trainer's with the same weights. Also: one trainer module
+per process, with --hellaswag and with the tools alone (one process, which forgets the trainer's
+and the repository's modules between the two).
 
     python -m pytest tests/test_fork_end_to_end.py -q
 """
@@ -12,10 +13,8 @@ import ast
 import copy
 import importlib.util
 import json
-import os
 import random
 import sys
-import textwrap
 
 import helpers
 import pytest
@@ -41,24 +40,18 @@ IN_DOMAIN = tiktoken.Encoding(
     "bytes", pat_str=r"[\s\S]", special_tokens={"<|endoftext|>": train_gpt.EOT},
     mergeable_ranks={**{bytes([i]): i for i in range(256)},
                      **{b"\xff\xff" + i.to_bytes(2, "big"): i for i in range(256, train_gpt.EOT)}})
-# the fork's ideas: a softcap of 30 (record 18 lowered it from 30 to 15), and GELU for ReLU²
-FORK_LOGITS = "return 30 * torch.tanh(self.lm_head(x) / 30)"
-FORK_MLP = "return self.proj(F.gelu(self.fc(x)))"
+# the fork's idea, whatever the trainer it copies names its parts: the model it builds adds a fixed
+# bias to every logit it returns (its loss, a number, as the trainer's)
+FORK_IDEA = """
 
-
-def replace_body(source, class_name, method_name, body):
-    """source with the body of class_name.method_name (after its docstring, if any) replaced."""
-    tree = ast.parse(source)
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
-    method = next(n for n in cls.body
-                  if isinstance(n, ast.FunctionDef) and n.name == method_name)
-    first = method.body[0]
-    has_docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-    # the body starts after the docstring, or after the one-line `def` (comments included)
-    start = first.end_lineno if has_docstring else method.lineno
-    lines = source.splitlines(keepends=True)
-    indented = textwrap.indent(body + "\n", " " * (method.col_offset + 4))
-    return "".join(lines[:start] + [indented] + lines[method.end_lineno:])
+class GPT(GPT):
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if out.ndim == 0:
+            return out
+        bias = torch.randn(out.size(-1), generator=torch.Generator().manual_seed(55))
+        return out + bias.to(out.device)
+"""
 
 
 def import_file(path, name):
@@ -75,11 +68,7 @@ def fork(markov_shards, tmp_path_factory):
     preset, at width 16 over 6 blocks (a step is mostly the 50,304-wide head), for 4 steps of 128
     tokens on the session's Markov shards (after 2, both models' greedy tokens are alike)."""
     folder = tmp_path_factory.mktemp("fork")
-    source = TRAINER.read_text()
-    source = replace_body(source, "GPT", "logits", FORK_LOGITS)
-    source = replace_body(source, "MLP", "forward", FORK_MLP)
-    assert FORK_LOGITS in source and FORK_MLP in source
-    (folder / "my_attempt.py").write_text(source)
+    (folder / "my_attempt.py").write_text(TRAINER.read_text() + FORK_IDEA)
     module = import_file(folder / "my_attempt.py", "my_attempt")
     train, val, _ = markov_shards
     options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
@@ -89,11 +78,6 @@ def fork(markov_shards, tmp_path_factory):
                "--save_checkpoint", "true", "--log_dir", str(folder / "logs")]
     assert module.main(options) == 0
     (checkpoint,) = (folder / "logs").glob("*/state_step000004.pt")
-    # the script that wrote it, recorded as trainers that record it do: the fork's own, in place
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    if "script" not in state:
-        state["script"] = os.path.realpath(folder / "my_attempt.py")
-        torch.save(state, checkpoint)
     return module, checkpoint
 
 
@@ -136,10 +120,10 @@ def result_line(sums, means, labels):
 
 
 @torch.no_grad()
-def greedy(model, prompt, new_tokens, window_blocks, vocab):
+def greedy(model, prompt, new_tokens, vocab):
     """The prompt and new_tokens more, each the argmax of a full forward over all before it."""
     tokens = [train_gpt.EOT, *prompt]
-    window = torch.tensor(window_blocks, dtype=torch.int32)
+    window = torch.tensor(10 ** 6, dtype=torch.int32)
     for _ in range(new_tokens):
         logits = model(torch.tensor(tokens).int(), None, window)[-1, :vocab]
         tokens.append(int(logits.argmax()))
@@ -160,10 +144,11 @@ def text(rng, length):
 def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_path, capsys,
                                                                     monkeypatch):
     fork_module, checkpoint = fork
-    assert torch.load(checkpoint, map_location="cpu")["source"] == fork_module.SOURCE
+    fork_file = fork_module.__file__
+    assert torch.load(checkpoint, map_location="cpu")["source"] == open(fork_file, "rb").read()
     monkeypatch.setattr(common.gpt2_tokenizer, "gpt2_encoding",
                         lambda tokenizer_file=None: IN_DOMAIN)
-    fork_model, options = model_of(fork_module, checkpoint)
+    fork_model, _ = model_of(fork_module, checkpoint)
     original_model, _ = model_of(train_gpt, checkpoint)
     fork64 = in_float64(fork_model)
     original64 = in_float64(original_model)
@@ -196,26 +181,25 @@ def test_fork_checkpoint_is_scored_and_continued_as_the_fork_model(fork, tmp_pat
     data.write_text("".join(json.dumps(dict(ctx=c, endings=e, label=label)) + "\n"
                             for c, e, label in examples))
     capsys.readouterr()
-    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 0
+    assert hellaswag.main([str(checkpoint), "--data", str(data), "--trainer", fork_file]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == fork_line
 
     # greedy: a prompt whose continuation differs between the two models, continued by sample.py
-    window_blocks = fork_module.window_blocks_at(options.num_iterations, options)
     for _ in range(8):
         prompt = IN_DOMAIN.encode_ordinary(text(rng, 20))
-        fork_tokens = greedy(fork_model, prompt, 8, window_blocks, IN_DOMAIN.n_vocab)
-        original_tokens = greedy(original_model, prompt, 8, window_blocks, IN_DOMAIN.n_vocab)
+        fork_tokens = greedy(fork_model, prompt, 8, IN_DOMAIN.n_vocab)
+        original_tokens = greedy(original_model, prompt, 8, IN_DOMAIN.n_vocab)
         if fork_tokens != original_tokens:
             break
     assert fork_tokens != original_tokens, "the same greedy tokens from both models"
     assert sample.main([str(checkpoint), "--prompt", IN_DOMAIN.decode(prompt),
-                        "--max_new_tokens", "8"]) == 0
+                        "--max_new_tokens", "8", "--trainer", fork_file]) == 0
     assert capsys.readouterr().out == IN_DOMAIN.decode(fork_tokens) + "\n"
 
 
 # One process: the trainer with --hellaswag, then the tools alone, as in a process of their own:
-# every module of the repository imported so far (train_gpt, evals, the tokenizer) forgotten first,
-# but not those of a virtual environment kept in the repository's folder (torch's, say)
+# the trainer and every module of the repository imported so far (evals, the tokenizer) forgotten
+# first, but not those of a virtual environment kept in the repository's folder (torch's, say)
 ONE_TRAINER = """import glob
 import os
 import sys
@@ -232,6 +216,7 @@ import train_gpt
 assert train_gpt.main({options!r}) == 0
 print("with --hellaswag:", trainers())
 installed = tuple(os.path.join(sysconfig.get_path(name), "") for name in ("purelib", "platlib"))
+del sys.modules["train_gpt"]
 for name, module in list(sys.modules.items()):
     path = getattr(module, "__file__", None) or ""
     if path.startswith(os.path.join({repo!r}, "")) and not path.startswith(installed):
@@ -239,7 +224,8 @@ for name, module in list(sys.modules.items()):
 assert trainers() == []
 (checkpoint,) = glob.glob({checkpoints!r})
 from evals import hellaswag
-assert hellaswag.main([checkpoint, "--data", {data!r}, "--tokenizer", {ranks!r}]) == 0
+assert hellaswag.main([checkpoint, "--data", {data!r}, "--tokenizer", {ranks!r},
+                       "--trainer", {trainer!r}]) == 0
 print("the tools alone:", trainers())
 """
 
@@ -260,7 +246,7 @@ def test_one_trainer_module_per_process_with_hellaswag_and_with_the_tools_alone(
                "--hellaswag", "true", "--hellaswag_data", str(data), "--tokenizer",
                str(RANKS)]
     code = ONE_TRAINER.format(repo=str(REPO), options=options, data=str(data),
-                              ranks=str(RANKS),
+                              ranks=str(RANKS), trainer=str(TRAINER),
                               checkpoints=str(folder / "logs" / "*" / "state_step000001.pt"))
     # the repository importable, whatever the working directory
     env = launch_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
