@@ -10,7 +10,6 @@ import difflib
 import hashlib
 import importlib.util
 import inspect
-import linecache
 import os
 import signal
 import stat
@@ -37,11 +36,8 @@ MAX_POSITIONS = 65536
 # the exit code of a process whose output pipe was closed by its reader (128 + SIGPIPE)
 CLOSED_OUTPUT = 141
 # the names of a trainer module that common.py uses; each tool adds its own (TRAINER_NAMES)
-TRAINER_NAMES = ("UserError", "setup_device", "start_process_group", "Hyperparameters",
-                 "check_hyperparameters", "GPT")
-# torchrun sets all of these in the processes it starts
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                    "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+TRAINER_NAMES = ("UserError", "check_launch_environment", "setup_device", "start_process_group",
+                 "Hyperparameters", "check_hyperparameters", "GPT")
 # options about the machine that trained (files, kernels), checked there: defaults stand in here
 MACHINE_OPTIONS = {"train_files", "val_files", "log_dir", "hellaswag_data", "tokenizer", "resume",
                    "compile", "compile_cache", "fused_head_loss"}
@@ -91,9 +87,6 @@ def trainer_from_source(source):
             # registered first: dataclasses look their module up while it is imported
             module = sys.modules[name] = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-        # tracebacks show its lines: with no modification time, linecache keeps them
-        lines = source.decode("utf-8", errors="replace").splitlines(keepends=True)
-        linecache.cache[path] = (len(source), None, lines, path)
     return sys.modules[name]
 
 
@@ -123,7 +116,10 @@ def read_checkpoint(path):
         if damaged := zipfile.ZipFile(path).testzip():
             raise ValueError(f"{damaged} fails its CRC check")
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        if not {"model", "args"} <= checkpoint.keys():
+        # record 18's own script saved dict(step, code, model, optimizers): its options are ours
+        if "args" not in checkpoint and isinstance(checkpoint.get("code"), str):
+            checkpoint["record18"] = checkpoint.pop("code").encode()
+        if not {"model", "args"} <= checkpoint.keys() and "record18" not in checkpoint:
             raise KeyError(f"no {'model' if 'model' not in checkpoint else 'args'} in it")
     except OSError as e:
         raise EvalError(f"{path}: cannot read it ({e.strerror or e})") from None
@@ -148,11 +144,15 @@ def trainer_code(path, checkpoint, trainer_file=None, trust=False):
                  f"{path} carries (sha256 {sha256(source, 12)}), which is not run")
         return code, f"model: built by {os.path.realpath(trainer_file)} (sha256 {sha256(code, 12)})"
     ours = regular_file(REPOSITORY_TRAINER, read=True)
+    built = f"model: built by {REPOSITORY_TRAINER} (sha256 {sha256(ours, 12)})"
+    if "record18" in checkpoint:
+        return ours, (f"{built}, record 18's model: the checkpoint is record 18's own script's, "
+                      "whose source it carries is not run (--show_source shows it)")
     if source is None:
         warn(f"warning: {path} carries no trainer source: built by this repository's "
              "train_gpt.py, which may not be the model that wrote it")
     if source is None or source == ours:
-        return ours, f"model: built by {REPOSITORY_TRAINER} (sha256 {sha256(ours, 12)})"
+        return ours, built
     if trust:
         warn(f"warning: {path}: running the trainer source it carries (sha256 {sha256(source)}), "
              "not this repository's train_gpt.py, as --trust_checkpoint_code asks")
@@ -196,7 +196,8 @@ def show_or_write_source(args):
     """--show_source: the diff from this repository's train_gpt.py to the source the checkpoint
     carries. --write_source FILE: that source, whole, as FILE, a new file. None of it runs."""
     path, target = args.checkpoint, args.write_source
-    source = read_checkpoint(path).get("source")
+    checkpoint = read_checkpoint(path)
+    source = checkpoint.get("source", checkpoint.get("record18"))
     if source is None:
         raise EvalError(f"{path} carries no trainer source: its model is built by this "
                         "repository's train_gpt.py")
@@ -233,7 +234,8 @@ def run_options(trainer, checkpoint, path):
     """The run's options as its trainer's Hyperparameters (any it lacks left out, after a warning),
     checked by its check_hyperparameters (those of MACHINE_OPTIONS as their defaults)."""
     known = {f.name for f in fields(trainer.Hyperparameters)}
-    saved = checkpoint["args"]
+    # none in record 18's checkpoints: its configuration, the trainer's defaults
+    saved = checkpoint.get("args", {})
     options = trainer.Hyperparameters(**{k: v for k, v in saved.items() if k in known})
     if unknown := [f"--{name} {saved[name]!r}" for name in saved if name not in known]:
         warn(f"warning: {path}: its options {', '.join(unknown)} are no options of the trainer "
@@ -259,7 +261,9 @@ def build_model(trainer, checkpoint, path, device, line=None):
                  if hasattr(args, n)]
         raise EvalError(f"{path}: its options ({' '.join(named)}) ask for a model its trainer "
                         f"cannot build ({type(e).__name__}: {first_line(e)})") from None
-    ours, saved = model.state_dict(), checkpoint["model"]
+    # under the trainer's names, where it renames older checkpoints' (record 18's among them)
+    saved = getattr(trainer, "current_names", dict)(checkpoint["model"])
+    ours = model.state_dict()
     # the first parameter or buffer whose shapes differ, or that one side lacks
     mismatches = [f"{n} is {tuple(saved[n].shape)} there, {tuple(ours[n].shape)} in the model"
                   for n in ours if n in saved and saved[n].shape != ours[n].shape]
@@ -284,14 +288,9 @@ def encoding(tokenizer_file=None):
 
 
 def start_processes(trainer):
-    """Rank, world size, device (a group for several); torchrun's leftover variables refused."""
-    found = [name for name in LAUNCH_VARIABLES if name in os.environ]
-    if found and len(found) < len(LAUNCH_VARIABLES):
-        settings = " ".join(f"{name}={os.environ[name]}" for name in found)
-        raise EvalError(f"{settings} set in the environment, but this process was not started by "
-                        f"torchrun: for one process, `unset {' '.join(found)}` first; for several, "
-                        "launch with torchrun, which sets them")
+    """Rank, world size, device (a group for several); leftover launcher variables refused."""
     try:
+        trainer.check_launch_environment()
         rank, world_size, device = trainer.setup_device()
     except trainer.UserError as e:
         raise EvalError(str(e)) from None

@@ -13,9 +13,9 @@ forwards, where bf16's could flip a close call. At --temperature 0 (the default)
 likeliest (greedy); else a draw from softmax(logits / temperature), among the --top_k likeliest when
 given, seeded by --seed. --num_samples N draws N continuations in one batch (greedy: N equal ones).
 Only the tokenizer's ids are drawn, never the rows that pad the head to a multiple of 128. The model
-attends to the whole document, up to 65,536 tokens (its rotary positions): training's sliding window
-ended at 1,792 tokens in record 18's run (--window_end), so text past that is the model beyond its
-training. stdout gets the prompt and its continuation, decoded, nothing stripped, and nothing else;
+attends as it trained at the checkpoint's step: within its sliding window (1,792 tokens at the end
+of record 18's run), over a document of up to 65,536 tokens (its rotary positions); a trainer
+without the window's schedule (get_sliding_window_blocks), over the whole document. stdout gets the prompt and its continuation, decoded, nothing stripped, and nothing else;
 with several samples, each one so, after a line `--- sample i of N`. The model is the checkpoint's
 own, built by this repository's train_gpt.py when that is the source the checkpoint carries, or by
 --trainer FILE, your copy of a fork (see evals/common.py: any other source stops before any of it
@@ -129,9 +129,12 @@ def run(argv):
         raise EvalError(f"{trainer.EOT}, the prompt's {len(prompt)} tokens and --max_new_tokens "
                         f"{args.max_new_tokens} exceed the model's {common.MAX_POSITIONS} "
                         "positions: give a shorter prompt or fewer new tokens")
-    # the window: the whole document
+    model, options = common.build_model(trainer, checkpoint, args.checkpoint, device, built_by)
+    # the window the checkpoint's step trained with; else the whole document
     window_blocks = math.ceil(length / trainer.BLOCK_SIZE)
-    model, _ = common.build_model(trainer, checkpoint, args.checkpoint, device, built_by)
+    if hasattr(trainer, "get_sliding_window_blocks"):
+        step = checkpoint.get("step", options.num_iterations)
+        window_blocks = trainer.get_sliding_window_blocks(step, options)
     generator = torch.Generator(device).manual_seed(args.seed)
     # fp32, as generate_batch needs it: converted here rather than copied there
     model.float()

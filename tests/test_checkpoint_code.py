@@ -305,9 +305,9 @@ def test_a_trainer_file_that_is_not_a_trainer_is_refused_before_any_of_it_runs(
     # after the warning that it is not the source the checkpoint carries
     line = capsys.readouterr().err.splitlines()[-1]
     assert line.startswith("error: ") and f"its trainer ({script} (sha256" in line
-    assert ("is not a trainer this tool can use: it does not define UserError, setup_device, "
-            "start_process_group, Hyperparameters; nothing of it was run: pass --trainer "
-            "FILE") in line
+    assert ("is not a trainer this tool can use: it does not define UserError, "
+            "check_launch_environment, setup_device, start_process_group; nothing of it was run: "
+            "pass --trainer FILE") in line
     assert run_tool(tool, checkpoint, data, "--trainer", str(checkpoint)) == 1
     assert ", not Python (" in capsys.readouterr().err.splitlines()[-1]
     assert not marker.exists()
@@ -501,3 +501,54 @@ def test_two_processes_run_it_with_trust_checkpoint_code(entries, data, ranks_fi
     assert result.stdout.splitlines()[-1].startswith("hellaswag: acc_norm=")
     # each process ran it
     assert marker.read_text() == "ran\n" * 2
+
+
+# --- record 18's own checkpoints ---------------------------------------------------------------
+
+def record18_parameter_names():
+    """The parameters of record 18's model, as its script names them: 12 blocks, the 8th without
+    attention, three value-embedding tables, the U-net's skip weights."""
+    names = ["embed.weight", "skip_weights", "lm_head.weight"]
+    names += [f"value_embeds.embed.{k}.weight" for k in range(3)]
+    for i in range(12):
+        names += [f"blocks.{i}.lambdas", f"blocks.{i}.mlp.c_fc.weight", f"blocks.{i}.mlp.c_proj.weight"]
+        if i != 7:
+            names += [f"blocks.{i}.attn.{name}" for name in
+                      ("lambdas", "c_q.weight", "c_k.weight", "c_v.weight", "c_proj.weight")]
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.record18
+def test_record_18s_own_checkpoint_is_scored_and_continued_by_the_repository_trainer(
+        tmp_path, capsys, data):
+    """A checkpoint as record 18's script saves at its last step, dict(step, code, model, optimizers),
+    its model's names those of the compiled model (prefixed _orig_mod.): the repository's trainer
+    builds the model, a line says so, the code it carries never runs (--show_source shows it), and
+    its weights give the logits of the same weights loaded by hand into that trainer's model."""
+    trainer = common.trainer_from_source(REPOSITORY_TRAINER.read_bytes())
+    torch.manual_seed(0)
+    reference = trainer.GPT(50304, 12, 6, 768).eval()
+    weights = reference.state_dict()
+    assert sorted(weights) == sorted(record18_parameter_names())
+    marker = tmp_path / "ran.txt"
+    checkpoint = tmp_path / "state_step001390.pt"
+    torch.save(dict(step=1390, code=planted(marker), optimizers=[],
+                    model={f"_orig_mod.{name}": tensor for name, tensor in weights.items()}),
+               checkpoint)
+    module, entries, line = common.open_checkpoint(str(checkpoint), needs=sample.TRAINER_NAMES)
+    assert line.endswith("record 18's model: the checkpoint is record 18's own script's, whose "
+                         "source it carries is not run (--show_source shows it)")
+    model, options = common.build_model(module, entries, str(checkpoint), torch.device("cpu"))
+    assert options == module.Hyperparameters()
+    tokens = torch.randint(0, 50257, (128,))
+    window = torch.tensor(14, dtype=torch.int32)
+    with torch.no_grad():
+        assert torch.equal(model(tokens, None, window), reference(tokens, None, window))
+    assert sample.main([str(checkpoint), "--max_new_tokens", "2", "--prompt", "A"]) == 0
+    assert hellaswag.main([str(checkpoint), "--data", str(data)]) == 0
+    assert "record 18's model" in capsys.readouterr().err
+    assert hellaswag.main([str(checkpoint), "--show_source"]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert all(f"+{line}" in shown for line in planted(marker).splitlines())
+    assert not marker.exists()

@@ -139,7 +139,7 @@ def test_packed_scores_equal_each_candidate_scored_alone_in_float64():
     candidates = [c for example in rendered for c in example]
     model = tiny_model(torch.float32)
     # bf16 tables, as trained (so bf16 activations, which the scorer casts to fp32)
-    for table in [model.embed, *model.value_embeds]:
+    for table in [model.embed, *model.value_embeds.embed]:
         table.bfloat16()
     in_float64 = copy.deepcopy(model).double()
     # candidates of up to 216 tokens, across blocks of 128, in sequences of 512
@@ -240,6 +240,22 @@ def test_sample_cli_prints_the_prompt_and_its_continuation(checkpoint, capsys, o
     prompt_tokens = PAIRS.encode_ordinary(prompt)
     tokens = sample.generate(model, prompt_tokens, 5, 14, PAIRS.n_vocab)
     assert capsys.readouterr().out == prompt + PAIRS.decode(tokens[len(prompt_tokens):]) + "\n"
+
+
+@pytest.mark.parametrize("step,window_blocks", [(0, 1), (695, 7), (1390, 14)])
+def test_sampling_attends_within_the_window_its_step_trained_with(tmp_path, capsys, monkeypatch,
+                                                                  own_tokenizer, step, window_blocks):
+    """The window grows from 1 block to 14 over record 18's 1,390 steps: 7 halfway."""
+    path = write_checkpoint(tmp_path / "state.pt", tiny_model(torch.float32))
+    torch.save(dict(torch.load(path, weights_only=True), step=step), path)
+    windows = []
+
+    def generate_batch(model, prompt, max_new_tokens, window, *args):
+        windows.append(window)
+        return [prompt]
+    monkeypatch.setattr(sample, "generate_batch", generate_batch)
+    assert sample.main([str(path), "--prompt", "Hi", *WITH_TRAINER]) == 0
+    assert windows == [window_blocks]
 
 
 def error_line(capsys):
