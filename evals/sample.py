@@ -15,12 +15,13 @@ given, seeded by --seed. --num_samples N draws N continuations in one batch (gre
 Only the tokenizer's ids are drawn, never the rows that pad the head to a multiple of 128. The model
 attends as it trained at the checkpoint's step: within its sliding window (1,792 tokens at the end
 of record 18's run), over a document of up to 65,536 tokens (its rotary positions); a trainer
-without the window's schedule (get_sliding_window_blocks), over the whole document. stdout gets
-the prompt and its continuation, decoded, nothing stripped, and nothing else; with several
-samples, each one so, after a line `--- sample i of N`. The model is the checkpoint's own, built by this repository's train_gpt.py when that is the source the checkpoint carries, or by
---trainer FILE, your copy of a fork (see evals/common.py: any other source stops before any of it
-runs, unless --trust_checkpoint_code; --show_source prints it against train_gpt.py, --write_source
-FILE saves it), with that trainer's end-of-text id, block size and KV cache.
+without the window's schedule (get_sliding_window_blocks), over the whole document. stdout gets the
+prompt and its continuation, decoded, nothing stripped, and nothing else; with several samples, each
+one so, after a line `--- sample i of N`. The model is the checkpoint's own, built by this
+repository's train_gpt.py when that is the source the checkpoint carries, or by --trainer FILE, your
+copy of a fork (see evals/common.py: any other source stops before any of it runs, unless
+--trust_checkpoint_code; --show_source prints it against train_gpt.py, --write_source FILE saves
+it), with that trainer's end-of-text id, block size and KV cache.
 """
 import copy
 import math
