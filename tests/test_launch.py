@@ -204,15 +204,17 @@ sys.exit(1)
 
 
 @needs_no_gpu
-@pytest.mark.parametrize("nvidia_smi,visible,says", [
-    # GPUs this torch cannot use: run.sh hands over to the trainer, whose line names them and the
-    # fix (test_gpus_this_torch_cannot_use_are_named_with_the_fix, below)
-    (NVIDIA_SMI, None, "trainer"),
-    ("import sys; sys.exit(9)", None, "run.sh"),  # nvidia-smi does not answer: no GPU
-    (NVIDIA_SMI, "", "run.sh"),  # CUDA_VISIBLE_DEVICES="": the GPUs are hidden on purpose
+@pytest.mark.parametrize("nvidia_smi,visible", [
+    # GPUs this torch cannot use: the trainer's line names them and the fix
+    # (test_gpus_this_torch_cannot_use_are_named_with_the_fix, below)
+    (NVIDIA_SMI, None),
+    ("import sys; sys.exit(9)", None),  # nvidia-smi does not answer: no GPU
+    (NVIDIA_SMI, ""),  # CUDA_VISIBLE_DEVICES="": the GPUs are hidden on purpose
 ], ids=["gpus_listed", "no_answer", "gpus_hidden"])
 @pytest.mark.slow
-def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visible, says, tmp_path):
+def test_run_sh_without_a_usable_gpu_runs_the_trainer_with_every_option(nvidia_smi, visible,
+                                                                        tmp_path):
+    """One process on the CPU, the trainer's own exit code and every option it was given."""
     stand_in(tmp_path / "bin", "nvidia-smi", nvidia_smi)
     (tmp_path / "trainer.py").write_text(STAND_IN_TRAINER)
     # torch sees no GPU
@@ -220,17 +222,26 @@ def test_run_sh_without_a_usable_gpu_says_why_in_its_last_line(nvidia_smi, visib
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-    command = ["bash", str(REPO / "run.sh"), "--log_dir", str(tmp_path / "logs")]
-    result = run_process(command, 120, env=env)
-    lines = result.stderr.splitlines()
+    options = ["--preset", "smoke", "--checkpoint_every", "4", "--log_dir", str(tmp_path / "logs")]
+    result = run_process(["bash", str(REPO / "run.sh"), *options], 120, env=env)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    if says == "trainer":
-        # the trainer's own exit code, and its options
-        assert lines == [f"the trainer, given: --log_dir {tmp_path / 'logs'}"]
-    else:
-        no_gpu = "run.sh: no CUDA GPU visible; a CPU smoke run: python train_gpt.py --preset smoke"
-        assert lines[-1:] == [no_gpu]
-    assert not (tmp_path / "logs").exists()
+    assert result.stderr.splitlines() == [f"the trainer, given: {' '.join(options)}"]
+
+
+@needs_no_gpu
+@pytest.mark.slow
+def test_run_sh_runs_nproc_processes_on_the_cpu_and_refuses_a_count_that_is_none(tmp_path):
+    fork = tmp_path / "my_attempt.py"
+    fork.write_text(FORK)
+    env = run_sh_env(tmp_path / "bin", 0, NPROC="2")
+    command = ["bash", str(REPO / "run.sh"), str(fork), "--checkpoint_every", "4"]
+    result = run_process(command, 120, env=env)
+    ran = sorted(line for line in result.stderr.splitlines() if line.startswith("rank "))
+    assert result.returncode == 0 and ran == ["rank 0 of 2 ran my_attempt.py --checkpoint_every 4",
+                                              "rank 1 of 2 ran my_attempt.py --checkpoint_every 4"]
+    result = run_process(command, 60, env=dict(env, NPROC="two"))
+    assert result.returncode == 1
+    assert result.stderr == "run.sh: NPROC=two: give a number of processes\n"
 
 
 @needs_no_gpu
