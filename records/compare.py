@@ -214,9 +214,9 @@ def summary_line(runs: list[Run], target: float | None) -> str:
     if target is None:
         data = " | ".join(sorted({r.options.get("val_files", "?") for r in runs}))
         mean, std = statistics.fmean(losses), statistics.stdev(losses)
-        return (f"n={len(runs)} mean={mean:.4f} std={std:.4f}: no test against {TARGET:g}, a loss "
-                f"on FineWeb's val data, for runs validated on {data} (--target LOSS tests against "
-                "another)")
+        return (f"n={len(runs)} mean={mean:.4f} std={std:.4f}: not tested against {TARGET:g}, the "
+                f"target on FineWeb's val data: these runs validated on {data} (--target LOSS tests "
+                "against another)")
     mean, std, t, p = t_test_less(losses, target)
     test = f"mean={mean:.4f} std={std:.4f} t={t:.2f} p={format_p(p)}"
     return f"n={len(runs)} {test} target={target:g}"

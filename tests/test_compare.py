@@ -424,8 +424,8 @@ def test_runs_validated_on_synthetic_data_get_no_verdict_against_3_28(tmp_path, 
     group_logs(tmp_path / "a", finals, options=synthetic)
     group_logs(tmp_path / "b", [1.8301, 1.8299], options=synthetic)
     code, out, _ = run_main(capsys, tmp_path / "a")
-    no_test = (": no test against 3.28, a loss on FineWeb's val data, for runs validated on "
-               "synthetic (--target LOSS tests against another)")
+    no_test = (": not tested against 3.28, the target on FineWeb's val data: these runs validated "
+               "on synthetic (--target LOSS tests against another)")
     summary = f"n=2 mean={statistics.fmean(finals):.4f} std={statistics.stdev(finals):.4f}"
     assert code == 0 and out.strip().splitlines()[-1] == summary + no_test
     # a target given is tested against
