@@ -4,29 +4,25 @@
     torchrun --standalone --nproc_per_node=N records/node_check.py [TRAINER OPTIONS...]
     python records/node_check.py --preset smoke          (one process; on a CPU, with gloo)
 
-It builds the trainer's own model and optimisers from the same options (a fork checks itself with
---trainer FILE) and, on every rank:
-
-1. Each device alone: the compiled forward and backward of one micro-batch, timed without
-   communication (DDP's no_sync; CPU processes take turns). A rank whose median exceeds every other
-   rank's upper quartile (the top of their run-to-run spread) by SLOW_MARGIN is named, with what
-   its GPU says of itself.
-2. The links: an all-reduce of the gradients' size and an all-gather of Muon's, in nccl-tests' bus
-   bandwidth; on GPUs, one below LINK_FLOOR_GBPS is named (a PCIe node, or a slow link).
+The trainer's own model and optimisers, from the same options (a fork checks itself with --trainer
+FILE), on every rank:
+1. Each device alone: one micro-batch's compiled forward and backward, without communication (CPU
+   processes take turns). A rank whose median exceeds the top of the others' run-to-run spread
+   (their upper quartiles) by SLOW_MARGIN is named, with what its GPU says of itself.
+2. The links: an all-reduce of the gradients' size and Muon's all-gather, in nccl-tests' bus
+   bandwidth; on GPUs, one below LINK_FLOOR_GBPS is named.
 3. Right answers: after CHECKED_STEPS steps of DDP, Adam and Muon, each rank's weights against rank
-   0's, bit for bit; on the same batch and weights, the compiled loss against the eager one (on
-   EAGER_TOKENS tokens: eager attention holds every score) and each rank's against rank 0's.
-4. The real steps: the trainer's own main() for K steps (--steps; the first ones untimed, as in any
-   run), a checkpoint RESUMED_STEPS before the end, then main() resuming from it on every rank;
-   the attention window held at the schedule's mean, so that their step_avg is an average step's.
-5. The verdict, the last line of stdout: `node check:`, every fault by rank, the projected timed
-   training of the run the options describe (its timed steps at that step_avg; validation apart)
-   beside record 18's 204.3 s, and the peak memory against the device's. Exit code 0: the node is
-   fit; 1: a fault is named; 2: no verdict (an `error:` line says why).
-
-Its log, <log_dir>/node_check-<run id>.txt, is the trainer's log of step 4's first run, this file's
-source after the trainer's and the check's lines at the end: records/compare.py lists it beside
-training runs. The runs' scratch folder in --log_dir is removed at the end. --inject_fault is for
+   0's, bit for bit; on one batch, the compiled loss against the eager one (of EAGER_TOKENS tokens:
+   eager attention holds every score), and each rank's against rank 0's.
+4. The real steps: the trainer's main() for K steps (--steps), a checkpoint RESUMED_STEPS before
+   the end, and main() resuming from it on every rank; the window held at the schedule's mean.
+5. The verdict, stdout's last line: `node check:`, every fault by rank, the projected timed training
+   of the run the options describe (its timed steps at step 4's step_avg; validation apart) beside
+   record 18's 204.3 s, and the peak memory against the device's. Exit code 0: the node is fit; 1:
+   a fault is named; 2: no verdict (an `error:` line says why).
+Its log, <log_dir>/node_check-<run id>.txt, is the trainer's log of step 4's first run with this
+file's source after the trainer's and the check's lines at the end: records/compare.py lists it
+beside training runs. The runs' scratch folder in --log_dir goes at the end. --inject_fault is for
 testing the check itself.
 """
 
@@ -48,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -260,7 +257,9 @@ def own_checks(t, args, rank, world, device, injected):
 
     short = (inputs[:EAGER_TOKENS], targets[:EAGER_TOKENS])
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # that eager attention holds every score, which is the point here
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
         found["eager"] = model(*short, window).item()
         found["compiled"] = compiled_model(*short, window).item()
     model.train()
@@ -295,10 +294,11 @@ def faults_found(found, device):
 
 def report(found, micro_batch, compiled):
     """The lines of steps 1 to 3, for the console and the log."""
-    times = ", ".join(f"rank {r} {statistics.median(f['times']):.2f} ms" for r, f in enumerate(found))
+    times = ", ".join(f"rank {r} {statistics.median(f['times']):.2f}" for r, f in enumerate(found))
     first = "the first, compiling" if compiled else "the first"
     lines = [f"each device alone: one micro-batch of {micro_batch:,} tokens forward and backward, "
-             f"no communication, median of {REPEATS}: {times}; {first}: {found[0]['first_s']:.1f} s"]
+             f"no communication, median of {REPEATS} in ms: {times}; {first}: "
+             f"{found[0]['first_s']:.1f} s"]
     if "reduce" in found[0]:
         (reduce_mb, reduce_bus), (gather_mb, gather_bus) = found[0]["reduce"], found[0]["gather"]
         lines.append(f"links: all-reduce of the gradients' {reduce_mb:,.3g} MB at {reduce_bus:.3g} "
@@ -308,17 +308,19 @@ def report(found, micro_batch, compiled):
     if len(found) > 1:
         weights = f"weights differ from rank 0's by up to {max(f['differ'] for f in found):.3g}"
     how = "compiled/eager" if compiled else "compile is off: one computation"
-    losses = ", ".join(f"rank {r} {f['compiled']:.4f}/{f['eager']:.4f}" for r, f in enumerate(found))
+    losses = ", ".join(f"rank {r} {f['compiled']:.4f}/{f['eager']:.4f}"
+                       for r, f in enumerate(found))
     lines.append(f"right answers: after {CHECKED_STEPS} steps of DDP, Adam and Muon, {weights}; "
                  f"loss on {min(EAGER_TOKENS, micro_batch):,} tokens ({how}): {losses}")
     return lines + [f"device of rank {r}: {f['facts']}" for r, f in enumerate(found)]
 
 
 def trainer_run(t, argv):
-    """The trainer's main(argv) in this process: its exit code. Its console lines are in its log."""
+    """The trainer's main(argv) in this process, imported afresh (its start-up line counts from
+    now): its exit code. Its console lines are in its log."""
     fresh_group_names()
     with contextlib.redirect_stdout(io.StringIO()):
-        return t.main(argv)
+        return load_trainer(t.__file__).main(argv)
 
 
 def real_steps(t, trainer_argv, args, steps, folder, rank):
@@ -335,9 +337,11 @@ def real_steps(t, trainer_argv, args, steps, folder, rank):
     if trainer_run(t, first):
         return None
     # rank 0 wrote them
-    (checkpoint,) = written.glob("*/state_step*.pt")
-    logs = set(written.glob("*.txt"))
-    if trainer_run(t, ["--resume", str(checkpoint), "--log_dir", str(mine)]):
+    checkpoints, logs = list(written.glob("*/state_step*.pt")), set(written.glob("*.txt"))
+    if len(checkpoints) != 1:
+        raise t.UserError(f"rank 0's checkpoint is not in {written} on this node: check one node "
+                          "(torchrun --standalone)", every_rank=True)
+    if trainer_run(t, ["--resume", str(checkpoints[0]), "--log_dir", str(mine)]):
         return None
     if rank != 0:
         return []
@@ -383,13 +387,17 @@ def conclude(t, ours, args, world, device, found, faults, lines, logs):
     if device.type == "cuda":
         device_mib = torch.cuda.get_device_properties(device).total_memory // 2 ** 20
     state = f"{len(faults)} fault(s): {'; '.join(faults)}" if faults else "fit"
-    verdict = (f"node check: {state}; {projected}; peak memory {int(PEAK_LINE.findall(text)[-1]):,} "
-               f"of {device_mib:,} MiB; checked in {time.perf_counter() - ours.started:.0f} s")
+    peak = int(PEAK_LINE.findall(text)[-1])
+    verdict = (f"node check: {state}; {projected}; peak memory {peak:,} of {device_mib:,} MiB; "
+               f"checked in {time.perf_counter() - ours.started:.0f} s")
     source = text.splitlines()
     at = source.index(SEPARATOR)
     log = Path(args.log_dir) / f"node_check-{first.stem}.txt"
-    log.write_text("\n".join([*source[:at], *Path(__file__).read_text().splitlines(),
-                              *source[at:], *lines, verdict]) + "\n")
+    ours_source = Path(__file__).read_text().splitlines()
+    try:
+        log.write_text("\n".join([*source[:at], *ours_source, *source[at:], *lines, verdict]) + "\n")
+    except OSError as e:
+        log = f"{log} could not be written ({e.strerror})"
     print(lines[-1], f"log: {log}", sep="\n")
     if faults:
         return last_words(verdict)
