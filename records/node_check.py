@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
+import glob
 import importlib.util
 import io
 import itertools
@@ -421,6 +423,13 @@ def check(t, ours, trainer_argv, args, rank, world, device):
         except OSError as e:
             raise t.UserError(f"cannot write in --log_dir {args.log_dir} ({e.strerror}): free "
                               "some space or pick another") from None
+    if device.type == "cpu":
+        # as the trainer's runs do (glibc): freed memory kept for the next allocation, so that a
+        # CPU's passes here are timed as its steps there
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None)
+            libc.mallopt(-1, 2 ** 30)
+            libc.mallopt(-4, 0)
     if world > 1:
         fresh_group_names()
         t.start_process_group(device)
@@ -475,6 +484,13 @@ def main(argv=None):
         if args.resume:
             raise t.UserError("--resume: the check makes its own runs from scratch; leave it out")
         t.check_hyperparameters(args)
+        # the trainer says so too, but only after the check's own passes
+        for split in ("train", "val"):
+            pattern = getattr(args, f"{split}_files")
+            if pattern != "synthetic" and not glob.glob(pattern):
+                raise t.UserError(f"no {split} shard matches {pattern!r}: `python "
+                                  "data/cached_fineweb10B.py 9` fetches record 18's, or point "
+                                  f"--{split}_files at yours")
         rank, world, device = t.setup_device()
         if world > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
             raise t.UserError("WORLD_SIZE is set, but this process was not started by torchrun: "

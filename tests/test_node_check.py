@@ -9,6 +9,7 @@ import re
 
 import helpers
 import pytest
+import torch
 
 # the smoke preset at 6 blocks of width 16: a step of 128 tokens on each of 2 processes
 TINY = ["--preset", "smoke", *helpers.TINY_MODEL, "--batch_size", "256", "--max_device_batch_size",
@@ -99,7 +100,6 @@ def test_compare_lists_the_check_beside_training_runs(checks, smoke_runs, capsys
     compare.main([str(log), str(smoke_runs.short(2))])
     table = capsys.readouterr().out
     row = next(line for line in table.splitlines() if log.name in line)
-    import torch
     assert f"{float(step_avg):.2f}" in row.split() and torch.__version__ in row.split()
     assert row.endswith("2 x cpu") and "12/12" in row.split()
 
