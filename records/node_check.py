@@ -26,8 +26,6 @@ beside training runs. The runs' scratch folder in --log_dir goes at the end. --i
 testing the check itself.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import ctypes
@@ -36,11 +34,11 @@ import glob
 import importlib.util
 import io
 import itertools
-import json
 import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,13 +49,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPOSITORY_TRAINER = Path(__file__).resolve().parents[1] / "train_gpt.py"
 # record 18 on 8 H100s: timed training, and a step
 RECORD_SECONDS = 204.3
 RECORD_STEP_MS = 148.1
+# the trainer's steps (--steps), those after its checkpoint, and the check's own steps
 STEPS = 30
 RESUMED_STEPS = 2
 CHECKED_STEPS = 3
@@ -123,8 +121,8 @@ def load_trainer(path):
 def fresh_group_names():
     """Before each process group: names no earlier one had. torch numbers groups from 0 again after
     destroy_process_group, and a group made under an earlier one's names can read that group's
-    addresses in torchrun's store (gloo then fails to connect: seen here)."""
-    distributed_c10d._world.group_count = next(GROUP_NAMES)
+    addresses in torchrun's store (gloo then failed to connect, in testing)."""
+    dist.distributed_c10d._world.group_count = next(GROUP_NAMES)
 
 
 def mean_window(args):
@@ -327,7 +325,7 @@ def trainer_run(t, argv):
 
 def real_steps(t, trainer_argv, args, steps, folder, rank):
     """Step 4: on rank 0, the (path, text) of the first run's log and the resumed one's (none on
-    the others); None when a run failed."""
+    the others); the exit code of a run that failed or stopped."""
     window = str(mean_window(args))
     # a folder for each rank: each writes a synthetic stream of its own there (where one rank's
     # would replace another's, the trainer could find it changed since it started)
@@ -336,15 +334,17 @@ def real_steps(t, trainer_argv, args, steps, folder, rank):
              "--checkpoint_every", str(steps - RESUMED_STEPS), "--save_checkpoint", "false",
              "--window_start", window, "--window_end", window, "--hellaswag", "false",
              "--log_dir", str(mine)]
-    if trainer_run(t, first):
-        return None
+    code = trainer_run(t, first)
+    if code:
+        return code
     # rank 0 wrote them
     checkpoints, logs = list(written.glob("*/state_step*.pt")), set(written.glob("*.txt"))
     if len(checkpoints) != 1:
         raise t.UserError(f"rank 0's checkpoint is not in {written} on this node: check one node "
                           "(torchrun --standalone)", every_rank=True)
-    if trainer_run(t, ["--resume", str(checkpoints[0]), "--log_dir", str(mine)]):
-        return None
+    code = trainer_run(t, ["--resume", str(checkpoints[0]), "--log_dir", str(mine)])
+    if code:
+        return code
     if rank != 0:
         return []
     (log,), (resumed,) = logs, set(written.glob("*.txt")) - logs
@@ -364,16 +364,6 @@ def projection(t, args, world, step_ms, eval_ms):
     return (f"projected {train_s:,.2f} s of timed training ({timed:,} timed steps x {step_ms:.2f} "
             f"ms; record 18: {RECORD_SECONDS} s at {RECORD_STEP_MS} ms) and {val_s:,.2f} s of "
             f"validation ({validations} x {args.val_tokens:,} tokens)")
-
-
-def last_words(verdict):
-    """A verdict that names a fault: on stdout, and in the error file whose line torchrun's report
-    quotes; exit code 1."""
-    print(verdict, flush=True)
-    with contextlib.suppress(KeyError, OSError):
-        message = dict(message=verdict, extraInfo=dict(timestamp=str(int(time.time()))))
-        Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(dict(message=message)))
-    return 1
 
 
 def conclude(t, ours, args, world, device, found, faults, lines, logs):
@@ -401,35 +391,12 @@ def conclude(t, ours, args, world, device, found, faults, lines, logs):
     except OSError as e:
         log = f"{log} could not be written ({e.strerror})"
     print(lines[-1], f"log: {log}", sep="\n")
-    if faults:
-        return last_words(verdict)
     print(verdict, flush=True)
-    return 0
+    return 1 if faults else 0
 
 
-def check(t, ours, trainer_argv, args, rank, world, device):
-    """Steps 1 to 5 on this rank: the exit code."""
-    if ours.steps < t.UNTIMED_STEPS + 2:
-        raise t.UserError(f"--steps must be at least {t.UNTIMED_STEPS + 2}: the trainer leaves "
-                          f"its first {t.UNTIMED_STEPS} untimed")
-    for faulty in set.union(*ours.inject_fault.values()) - set(range(world)):
-        raise t.UserError(f"--inject_fault: there is no rank {faulty} of {world}")
-    # the trainer's runs' scratch folder, made by rank 0, named to all
-    folder = None
-    if rank == 0:
-        try:
-            os.makedirs(args.log_dir, exist_ok=True)
-            folder = tempfile.mkdtemp(prefix="node_check-", dir=args.log_dir)
-        except OSError as e:
-            raise t.UserError(f"cannot write in --log_dir {args.log_dir} ({e.strerror}): free "
-                              "some space or pick another") from None
-    if device.type == "cpu":
-        # as the trainer's runs do (glibc): freed memory kept for the next allocation, so that a
-        # CPU's passes here are timed as its steps there
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None)
-            libc.mallopt(-1, 2 ** 30)
-            libc.mallopt(-4, 0)
+def own_checks_on_every_rank(t, ours, args, rank, world, device, folder):
+    """Steps 1 to 3, on a process group of the check's own: every rank's findings."""
     if world > 1:
         fresh_group_names()
         t.start_process_group(device)
@@ -439,6 +406,7 @@ def check(t, ours, trainer_argv, args, rank, world, device):
         if world > 1:
             mine, found = found[0], [None] * world
             dist.all_gather_object(found, mine)
+        return found
     except torch.cuda.OutOfMemoryError:
         raise t.UserError(f"out of GPU memory with micro-batches of {micro_batch:,} tokens: pass "
                           f"--max_device_batch_size {micro_batch // 2} (the global batch and the "
@@ -446,27 +414,57 @@ def check(t, ours, trainer_argv, args, rank, world, device):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    faults = faults_found(found, device)
-    lines = report(found, micro_batch, t.switched_on(args.compile, device))
+
+
+def check(t, ours, trainer_argv, args, rank, world, device):
+    """Steps 1 to 5 on this rank: the exit code."""
+    if ours.steps < t.UNTIMED_STEPS + 2:
+        raise t.UserError(f"--steps must be at least {t.UNTIMED_STEPS + 2}: the trainer leaves "
+                          f"its first {t.UNTIMED_STEPS} untimed")
+    for faulty in set.union(*ours.inject_fault.values()) - set(range(world)):
+        raise t.UserError(f"--inject_fault: there is no rank {faulty} of {world}")
+    if device.type == "cpu":
+        # as the trainer's runs do (glibc): freed memory kept for the next allocation, so that a
+        # CPU's passes here are timed as its steps there
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None)
+            libc.mallopt(-1, 2 ** 30)
+            libc.mallopt(-4, 0)
+    # the trainer's runs' scratch folder: rank 0 makes it, names it to all, and removes it
+    folder = None
     if rank == 0:
-        print(*lines, sep="\n", flush=True)
-    # the check's model and compiled code go before the trainer's runs
-    gc.collect()
-    if t.switched_on(args.compile, device):
-        torch.compiler.reset()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    folder = Path(found[0]["folder"])
+        try:
+            os.makedirs(args.log_dir, exist_ok=True)
+            folder = tempfile.mkdtemp(prefix="node_check-", dir=args.log_dir)
+        except OSError as e:
+            raise t.UserError(f"cannot write in --log_dir {args.log_dir} ({e.strerror}): free "
+                              "some space or pick another") from None
     try:
-        logs = real_steps(t, trainer_argv, args, ours.steps, folder, rank)
-    finally:
+        found = own_checks_on_every_rank(t, ours, args, rank, world, device, folder)
+        faults = faults_found(found, device)
+        lines = report(found, t.micro_batch_plan(args, world)[0], t.switched_on(args.compile, device))
         if rank == 0:
+            print(*lines, sep="\n", flush=True)
+        # the check's model and compiled code go before the trainer's runs
+        gc.collect()
+        if t.switched_on(args.compile, device):
+            torch.compiler.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        logs = real_steps(t, trainer_argv, args, ours.steps, Path(found[0]["folder"]), rank)
+    finally:
+        if folder:
             shutil.rmtree(folder, ignore_errors=True)
-    if logs is None:
+    if not isinstance(logs, list):
+        # the trainer's last line says what happened; a stop ends the check as it ended the run
+        if logs > 1:
+            print("node check: stopped in the trainer's run, no verdict (that run was the "
+                  "check's: its files are gone)", file=sys.stderr)
+            return logs
         faults.append(f"rank {rank}: the trainer's run failed (its error is above)")
-        return last_words(f"node check: {len(faults)} fault(s): {'; '.join(faults)}; no "
-                          "projection")
+        print(f"node check: {len(faults)} fault(s): {'; '.join(faults)}; no projection", flush=True)
+        return 1
     # rank 0 says the verdict, and exits last
     if rank != 0:
         return 0
@@ -479,6 +477,9 @@ def main(argv=None):
     t = load_trainer(ours.trainer)
     # as the trainer's main does, before anything initialises CUDA
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # a stop (torchrun passes Ctrl-C on as SIGTERM) ends the check as Ctrl-C does, its scratch
+    # folder removed; the trainer's runs stop on their own
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         args = t.parse_args(trainer_argv)
         if args.resume:
@@ -500,6 +501,11 @@ def main(argv=None):
         if e.every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("node check: stopped, no verdict", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
