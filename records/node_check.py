@@ -19,11 +19,11 @@ FILE), on every rank:
 5. The verdict, stdout's last line: `node check:`, every fault by rank, the projected timed training
    of the run the options describe (its timed steps at step 4's step_avg; validation apart) beside
    record 18's 204.3 s, and the peak memory against the device's. Exit code 0: the node is fit; 1:
-   a fault is named; 2: no verdict (an `error:` line says why).
+   a fault is named; 2: no verdict (an `error:` line says why); 130 or 143: stopped.
 Its log, <log_dir>/node_check-<run id>.txt, is the trainer's log of step 4's first run with this
 file's source after the trainer's and the check's lines at the end: records/compare.py lists it
-beside training runs. The runs' scratch folder in --log_dir goes at the end. --inject_fault is for
-testing the check itself.
+beside training runs. The runs' scratch folder in --log_dir goes at the end. --slow_rank and
+--perturb_rank are for testing the check itself.
 """
 
 import argparse
@@ -92,19 +92,14 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=STEPS, metavar="K",
                         help=f"the trainer's steps to time, the untimed first ones included "
                              f"(default {STEPS})")
-    parser.add_argument("--inject_fault", action="append", default=[], metavar="KIND:RANK",
-                        help="for testing this check: slow:R does rank R's timed work three times; "
-                             "perturb:R changes rank R's weights before the checked steps")
+    parser.add_argument("--slow_rank", type=int, metavar="R",
+                        help="for testing this check: rank R does its timed work three times")
+    parser.add_argument("--perturb_rank", type=int, metavar="R",
+                        help="for testing this check: rank R's weights change before the checked "
+                             "steps")
     ours, trainer_argv = parser.parse_known_args(argv)
     if not ours.trainer.is_file():
         parser.error(f"--trainer {ours.trainer}: no such file")
-    faults = {"slow": set(), "perturb": set()}
-    for fault in ours.inject_fault:
-        kind, _, rank = fault.partition(":")
-        if kind not in faults or not rank.isdigit():
-            parser.error(f"--inject_fault {fault!r}: give slow:RANK or perturb:RANK")
-        faults[kind].add(int(rank))
-    ours.inject_fault = faults
     return ours, trainer_argv
 
 
@@ -166,7 +161,7 @@ def device_facts(device):
     return facts
 
 
-def own_checks(t, args, rank, world, device, injected):
+def own_checks(t, args, ours, rank, world, device):
     """Steps 1 to 3 on this rank: what it measured and found, in plain values."""
     micro_batch = t.micro_batch_plan(args, world)[0]
     window = torch.tensor(mean_window(args) // ATTENTION_BLOCK, dtype=torch.int32, device=device)
@@ -203,7 +198,7 @@ def own_checks(t, args, rank, world, device, injected):
         torch.cuda.synchronize(device)
     found = dict(first_s=time.perf_counter() - started, facts=device_facts(device), times=[])
     forward_backward()
-    work = 3 if rank in injected["slow"] else 1
+    work = 3 if rank == ours.slow_rank else 1
     # GPUs all at once, as in a run; CPU processes share cores, so they take turns
     turns = range(world) if device.type == "cpu" and world > 1 else [rank]
     for _ in range(REPEATS):
@@ -239,7 +234,7 @@ def own_checks(t, args, rank, world, device, injected):
             found[name] = (size / 1e6, size / ms / 1e6 * factor * (world - 1) / world)
         del grads, share, gathered
 
-    if rank in injected["perturb"]:
+    if rank == ours.perturb_rank:
         with torch.no_grad():
             next(p for p in model.parameters() if p.dtype == torch.float32).add_(0.01)
     # one batch again and again: the model learns it, and its loss comes to depend on every weight
@@ -402,7 +397,7 @@ def own_checks_on_every_rank(t, ours, args, rank, world, device, folder):
         t.start_process_group(device)
     micro_batch = t.micro_batch_plan(args, world)[0]
     try:
-        found = [dict(own_checks(t, args, rank, world, device, ours.inject_fault), folder=folder)]
+        found = [dict(own_checks(t, args, ours, rank, world, device), folder=folder)]
         if world > 1:
             mine, found = found[0], [None] * world
             dist.all_gather_object(found, mine)
@@ -421,8 +416,8 @@ def check(t, ours, trainer_argv, args, rank, world, device):
     if ours.steps < t.UNTIMED_STEPS + 2:
         raise t.UserError(f"--steps must be at least {t.UNTIMED_STEPS + 2}: the trainer leaves "
                           f"its first {t.UNTIMED_STEPS} untimed")
-    for faulty in set.union(*ours.inject_fault.values()) - set(range(world)):
-        raise t.UserError(f"--inject_fault: there is no rank {faulty} of {world}")
+    for faulty in {ours.slow_rank, ours.perturb_rank} - {None, *range(world)}:
+        raise t.UserError(f"there is no rank {faulty} of {world} to make faulty")
     if device.type == "cpu":
         # as the trainer's runs do (glibc): freed memory kept for the next allocation, so that a
         # CPU's passes here are timed as its steps there

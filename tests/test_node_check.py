@@ -14,7 +14,7 @@ import torch
 # the smoke preset at 6 blocks of width 16: a step of 128 tokens on each of 2 processes
 TINY = ["--preset", "smoke", *helpers.TINY_MODEL, "--batch_size", "256", "--max_device_batch_size",
         "128", "--val_tokens", "256"]
-CHECKS = {"fair": [], "faulty": ["--inject_fault", "slow:1", "--inject_fault", "perturb:1"]}
+CHECKS = {"fair": [], "faulty": ["--slow_rank", "1", "--perturb_rank", "1"]}
 # each rank runs both checks, one after the other, in one launch
 BOTH_CHECKS = """
 import contextlib, io, json, os, sys
