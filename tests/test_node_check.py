@@ -96,15 +96,17 @@ def test_compare_lists_the_check_beside_training_runs(checks, smoke_runs, capsys
     folder, (rank0, _) = checks
     (log,) = (folder / "fair").glob("node_check-*.txt")
     step_avg = re.search(r"step_avg ([\d.]+) ms", rank0["fair"]["stdout"])[1]
+    run = smoke_runs.short(2)
     compare = helpers.load_records_script("compare")
-    compare.main([str(log), str(smoke_runs.short(2))])
+    compare.main([str(log), str(run)])
     table = capsys.readouterr().out
+    assert run.name in table
     row = next(line for line in table.splitlines() if log.name in line)
     assert f"{float(step_avg):.2f}" in row.split() and torch.__version__ in row.split()
     assert row.endswith("2 x cpu") and "12/12" in row.split()
 
 
-def projection_error(tmp_path, attempt):
+def projection_and_train_time(tmp_path, attempt):
     """A node check on this process and then the smoke run it projects: (projected s, the run's
     train time in s)."""
     import train_gpt
@@ -114,13 +116,13 @@ def projection_error(tmp_path, attempt):
         code = node_check.main(["--trainer", str(helpers.TRAINER), "--steps", "20", *run,
                                 "--log_dir", str(tmp_path / f"check{attempt}")])
     assert code == 0, out.getvalue()[-2000:]
-    projected = float(re.search(r"projected ([\d.]+) s of timed training", out.getvalue())[1])
+    projected = re.search(r"projected ([\d,.]+) s of timed training", out.getvalue())[1]
     logs = tmp_path / f"run{attempt}"
     with contextlib.redirect_stdout(io.StringIO()):
         assert train_gpt.main([*run, "--log_dir", str(logs)]) == 0
     lines, _ = helpers.step_lines(helpers.finished_log(logs))
     train_time = int(helpers.VAL_LINE.match(lines[-1])[4]) / 1000
-    return projected, train_time
+    return float(projected.replace(",", "")), train_time
 
 
 @pytest.mark.slow
@@ -128,7 +130,7 @@ def test_the_projection_of_a_smoke_run_is_within_15_percent_of_its_train_time(tm
     # wall time on a shared machine: a pair measured while the load changed is measured again
     pairs = []
     for attempt in range(3):
-        projected, train_time = projection_error(tmp_path, attempt)
+        projected, train_time = projection_and_train_time(tmp_path, attempt)
         pairs.append(f"{projected:.2f} s projected, {train_time:.2f} s run")
         if abs(projected / train_time - 1) <= 0.15:
             return
