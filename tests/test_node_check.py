@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import re
+import time
 
 import helpers
 import pytest
@@ -126,8 +127,12 @@ def projection_and_train_time(tmp_path, attempt):
 
 
 @pytest.mark.slow
-def test_the_projection_of_a_smoke_run_is_within_15_percent_of_its_train_time(tmp_path):
-    # wall time on a shared machine: a pair measured while the load changed is measured again
+def test_the_projection_of_a_smoke_run_is_within_15_percent_of_its_train_time(tmp_path,
+                                                                             monkeypatch):
+    # the check's clock and the trainer's both this process's CPU time, which other processes'
+    # load leaves alone (on an idle machine, the wall clock's errors were -2.5% to +1%, measured);
+    # a pair measured while they thrashed the caches is measured again
+    monkeypatch.setattr(time, "perf_counter", time.process_time)
     pairs = []
     for attempt in range(3):
         projected, train_time = projection_and_train_time(tmp_path, attempt)
