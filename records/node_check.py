@@ -278,8 +278,8 @@ def faults_found(found, device):
             faults.append(f"rank {rank}: compiled loss {f['compiled']:.4f}, eager {f['eager']:.4f}")
         reference = found[0]["compiled"]
         if not abs(f["compiled"] - reference) <= RANK_TOLERANCE * abs(reference):
-            faults.append(f"rank {rank}: loss {f['compiled']:.4f} on rank 0's batch and weights, "
-                          f"where rank 0 computes {reference:.4f}")
+            faults.append(f"rank {rank}: loss {f['compiled']:.4f} on the batch where rank 0 "
+                          f"computes {reference:.4f}")
     if "reduce" in found[0] and device.type == "cuda" and found[0]["reduce"][1] < LINK_FLOOR_GBPS:
         faults.append(f"links: all-reduce at {found[0]['reduce'][1]:.0f} GB/s bus bandwidth, below "
                       f"{LINK_FLOOR_GBPS} (NVLink H100 nodes: about {NVLINK_H100_GBPS}): a PCIe "
