@@ -1546,9 +1546,12 @@ def compile_cache_stamp(args, world_size, device):
 
 def is_compile_cache(path):
     """Whether a file begins as this trainer's compile caches do: only such a file is replaced."""
+    # a pipe would never end
+    if not os.path.isfile(path):
+        return False
     with contextlib.suppress(OSError), open(path, "rb") as f:
         header = re.escape(COMPILE_CACHE_HEADER.encode()) + rb".* sha256=[0-9a-f]{64}\n"
-        return os.path.isfile(path) and re.fullmatch(header, f.readline(4096)) is not None
+        return re.fullmatch(header, f.readline(4096)) is not None
     return False
 
 def load_compile_cache(path, stamp, compiled=True):

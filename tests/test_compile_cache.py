@@ -122,7 +122,7 @@ def test_an_existing_file_that_is_not_a_cache_is_refused_at_start_up_and_left_as
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
 @pytest.mark.parametrize("kind", ["device", "named pipe"])
-def test_a_device_or_a_pipe_is_refused_without_waiting_for_it(tmp_path, capsys, kind):
+def test_a_device_or_a_pipe_is_refused_without_waiting_for_it(tmp_path, capsys, kind, no_hang):
     """Replaced, /dev/null would become a plain file (as root, which CI runs as); a pipe's reader
     waits for a writer."""
     path = os.devnull
