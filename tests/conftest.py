@@ -8,6 +8,7 @@ from pathlib import Path
 
 import helpers
 import pytest
+import torch
 
 
 def pytest_addoption(parser):
@@ -70,17 +71,25 @@ class SmokeRuns:
         folder, _ = helpers.made_once(self.factory, f"short_{nproc}proc", make)
         return helpers.finished_log(folder / "logs")
 
-    def profiled_stdout(self):
-        """What records/profile_run.py printed in short(1)."""
+    def profiled(self):
+        """Of short(1): what records/profile_run.py printed ("stdout") and the tokens of each
+        forward the model trained on ("trained": a forward with gradients)."""
         return helpers.made_once(self.factory, "short_1proc", self.profiled_short_run)[1]
 
     def profiled_short_run(self, folder):
+        import train_gpt
         profile_run = helpers.load_records_script("profile_run")
-        with contextlib.redirect_stdout(io.StringIO()) as stdout:
+        trained = []
+
+        def record(module, inputs):
+            if isinstance(module, train_gpt.GPT) and torch.is_grad_enabled():
+                trained.append(inputs[0].tolist())
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(record)
+        with hook, contextlib.redirect_stdout(io.StringIO()) as stdout:
             code = profile_run.main(["--steps", "1", *self.options(folder), "--save_checkpoint",
                                      "true"])
         assert code == 0, stdout.getvalue()[-3000:]
-        return stdout.getvalue()
+        return dict(stdout=stdout.getvalue(), trained=trained)
 
     def short_run_on_2_processes(self, folder):
         launch = helpers.torchrun(2, helpers.TRAINER, *self.options(folder))
@@ -105,12 +114,6 @@ class SmokeRuns:
 @pytest.fixture(scope="session")
 def smoke_runs(markov_shards, tmp_path_factory):
     return SmokeRuns(markov_shards, tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def smoke_logs(smoke_runs):
-    """Paths of finished logs written by real smoke runs of the trainer (CPU)."""
-    return [smoke_runs.short(1), smoke_runs.short(2), smoke_runs.full()]
 
 
 @pytest.fixture

@@ -21,34 +21,41 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# the trainer under test; conftest.py sets it (from --trainer) before the test modules are imported
+# the trainer under test: conftest.py sets it (from --trainer) before the test modules are imported
 TRAINER = REPO / "train_gpt.py"
 LN_VOCAB = math.log(50304)
 
 
-def import_trainer(path):
-    """The script at path imported as `train_gpt`, the module every later `import train_gpt` of
-    this process gives."""
-    spec = importlib.util.spec_from_file_location("train_gpt", path)
+def import_file(name, path):
+    """The Python file at path imported as module `name`, registered first (dataclasses look their
+    module up)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    # registered first: dataclasses look their module up
-    sys.modules["train_gpt"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
 def use_trainer(path):
-    """The script at path is tested: imported here, run by the processes the tests start."""
+    """The script at path is the trainer under test: imported as `train_gpt`, the module every later
+    `import train_gpt` of this process gives, and run by the processes the tests start."""
     global TRAINER
     TRAINER = Path(path).resolve()
-    return import_trainer(TRAINER)
+    return import_file("train_gpt", TRAINER)
+
+
+def with_helpers(code):
+    """A program's code after `import sys` and this file imported as `helpers` by its path (the
+    program's sys.path is left as it is)."""
+    return ("import importlib.util\nimport sys\n"
+            f"spec = importlib.util.spec_from_file_location('helpers', {__file__!r})\n"
+            "helpers = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(helpers)\n"
+            + code)
 
 
 def with_trainer(code):
-    """A program's code, after `import sys`, `import helpers` and the trainer under test imported
-    as `train_gpt`."""
-    return (f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nimport helpers\n"
-            f"helpers.import_trainer({str(TRAINER)!r})\n{code}")
+    """with_helpers(code), the trainer under test imported first as `train_gpt`."""
+    return with_helpers(f"helpers.use_trainer({str(TRAINER)!r})\n{code}")
 
 
 def torchrun(nproc, *args):
@@ -169,13 +176,8 @@ def made_once(tmp_path_factory, name, make):
 
 
 def load_records_script(name):
-    """records/NAME.py as a module (records/ is not a package), registered first."""
-    spec = importlib.util.spec_from_file_location(f"records_{name}",
-                                                  REPO / "records" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """records/NAME.py as a module (records/ is not a package)."""
+    return import_file(f"records_{name}", REPO / "records" / f"{name}.py")
 
 
 @contextlib.contextmanager
@@ -270,18 +272,6 @@ def smoke_on(tmp_path, markov_shards, *argv, train=None, val=None):
     code = train_gpt.main(["--preset", "smoke", *shards, "--log_dir", str(log_dir),
                            "--val_tokens", "512", *argv])
     return code, log_dir
-
-
-def at_step(monkeypatch, actions):
-    """Run actions[step]() just before the stop check of that step."""
-    import train_gpt
-    agreed = train_gpt.CleanStop.agreed
-
-    def with_action(self, step):
-        actions.get(step, lambda: None)()
-        return agreed(self, step)
-
-    monkeypatch.setattr(train_gpt.CleanStop, "agreed", with_action)
 
 
 # --- GPT-2's BPE ranks, for the tests that tokenise offline --------------------------------------

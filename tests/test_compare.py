@@ -595,6 +595,12 @@ def test_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 # ------------------------------------------------------------------------ smoke runs
 
 
+@pytest.fixture(scope="session")
+def smoke_logs(smoke_runs):
+    """Paths of finished logs written by real smoke runs of the trainer (CPU)."""
+    return [smoke_runs.short(1), smoke_runs.short(2), smoke_runs.full()]
+
+
 @pytest.mark.slow
 def test_smoke_run_logs(smoke_logs, capsys):
     """Logs written by real smoke runs of the trainer parse and compare."""

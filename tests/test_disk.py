@@ -10,7 +10,6 @@ import pytest
 import torch
 from helpers import REPO
 from helpers import TRAINER
-from helpers import at_step
 from helpers import finished_log
 from helpers import launch_env
 from helpers import ranks_of
@@ -59,6 +58,17 @@ def test_checkpoint_rotation_deletes_only_the_checkpoints_this_run_wrote(run_amo
         assert path.read_text() == f"{path}: a user's\n"
     ours = {"state_step000002.pt", "state_step000003.pt"}  # of 1 to 3, the last two
     assert {p.name for p in run_folder.iterdir()} == ours | {p.name for p in user}
+
+
+def at_step(monkeypatch, actions):
+    """Run actions[step]() just before the stop check of that step."""
+    agreed = train_gpt.CleanStop.agreed
+
+    def with_action(self, step):
+        actions.get(step, lambda: None)()
+        return agreed(self, step)
+
+    monkeypatch.setattr(train_gpt.CleanStop, "agreed", with_action)
 
 
 @pytest.fixture
@@ -181,7 +191,6 @@ def test_a_log_that_cannot_be_started_is_one_line_before_step_one(markov_shards,
 # a rank of the trainer whose log, on rank 0, fails from step 2 on as on a full disk (its file
 # becomes /dev/full)
 LOG_FULL_ON_RANK_0 = """import os
-import helpers
 import train_gpt
 agreed = train_gpt.CleanStop.agreed
 

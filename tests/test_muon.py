@@ -1,5 +1,6 @@
 """Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64),
 and Muon in 2 and 3 processes against 1."""
+import inspect
 import os
 
 import pytest
@@ -259,14 +260,10 @@ def test_muon_one_process_matches_plain_muon(one_process):
         torch.testing.assert_close(a, ref, rtol=0, atol=2e-3)
 
 
-# a rank of a launch of 3: train() in that world, then in ranks 0 and 1 alone, a world of 2; each
-# world through a store of its own in FOLDER, where its rank 0 saves the parameters
-MUON_IN_3_AND_2_PROCESSES = """import os
-from pathlib import Path
-import torch
-import helpers
-import test_muon
-folder = Path(sys.argv[1])
+# a rank of a launch of 3, after train() and what it reads (their source, copied in): train() in
+# that world, then in ranks 0 and 1 alone, a world of 2; each world through a store of its own in
+# FOLDER, where its rank 0 saves the parameters
+MUON_IN_3_AND_2_PROCESSES = """folder = Path(sys.argv[1])
 rank = int(os.environ["RANK"])
 for world_size in (3, 2):
     if rank < world_size:
@@ -275,7 +272,7 @@ for world_size in (3, 2):
         store = torch.distributed.FileStore(str(folder / f"store_{world_size}"), world_size)
         torch.distributed.init_process_group("gloo", store=store, rank=rank,
                                              world_size=world_size)
-        params = test_muon.train()
+        params = train()
         if rank == 0:
             torch.save(params, folder / f"{world_size}.pt")
         torch.distributed.destroy_process_group()
@@ -285,7 +282,10 @@ helpers.exit_as_a_rank(0)
 
 def muon_in_3_and_2_processes(folder):
     """Muon's parameters in worlds of 3 and 2, in folder as 3.pt and 2.pt."""
-    (folder / "rank.py").write_text(with_trainer(MUON_IN_3_AND_2_PROCESSES))
+    definitions = ["import os", "from pathlib import Path", "import torch", "from train_gpt import Muon",
+                   f"SHAPES = {SHAPES!r}", f"STEPS = {STEPS}", inspect.getsource(gradients),
+                   inspect.getsource(train), MUON_IN_3_AND_2_PROCESSES]
+    (folder / "rank.py").write_text(with_trainer("\n".join(definitions)))
     launch = torchrun(3, folder / "rank.py", folder)
     result = run_process(launch, 300, env=launch_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]

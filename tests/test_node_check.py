@@ -18,9 +18,7 @@ TINY = ["--preset", "smoke", *helpers.TINY_MODEL, "--batch_size", "256", "--max_
 CHECKS = {"fair": [], "faulty": ["--slow_rank", "1", "--perturb_rank", "1"]}
 # each rank runs both checks, one after the other, in one launch
 BOTH_CHECKS = """
-import contextlib, io, json, os, sys
-sys.path.insert(0, {tests!r})
-import helpers
+import contextlib, io, json, os
 node_check = helpers.load_records_script("node_check")
 found = {{}}
 for name, extra in {checks!r}.items():
@@ -37,8 +35,8 @@ VERDICT = re.compile(r"^node check: (.*)$", re.M)
 def launch_both_checks(folder):
     options = ["--trainer", str(helpers.TRAINER), "--steps", "12", *TINY]
     script = folder / "both_checks.py"
-    script.write_text(BOTH_CHECKS.format(tests=str(helpers.REPO / "tests"), checks=CHECKS,
-                                         options=options, folder=str(folder)))
+    script.write_text(helpers.with_helpers(BOTH_CHECKS.format(checks=CHECKS, options=options,
+                                                              folder=str(folder))))
     launch = helpers.torchrun(2, "--log-dir", folder / "ranks", "--redirects", "3", script)
     env = helpers.launch_env(OMP_NUM_THREADS="1")
     result = helpers.run_process(launch, 300, cwd=helpers.REPO, env=env)

@@ -47,7 +47,7 @@ def test_profiled_run_writes_a_trace_and_the_top_ops_table_into_its_log(smoke_ru
     """The session's 1-process short run (4 steps) goes through the tool with --steps 1."""
     log = smoke_runs.short(1)
     trace = log.with_suffix(".trace.json")
-    stdout = smoke_runs.profiled_stdout()
+    stdout = smoke_runs.profiled()["stdout"]
     assert f"trace for Perfetto or chrome://tracing: {trace}" in stdout
     events = json.loads(trace.read_text())["traceEvents"]
     # exactly one train step was recorded, the last: min(12, 4 - 1) = 3 steps of warm-up

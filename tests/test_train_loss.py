@@ -65,7 +65,8 @@ def test_one_process_logs_the_mean_over_its_micro_batches(smoke_runs, plain_loop
     assert sorted(logged) == [1, 2, 3, 4] and logged[1] == round(LN_VOCAB, 4)
     for step, micro_losses in enumerate(plain_loop, 1):
         # printed to 4 decimals
-        assert logged[step] == pytest.approx(sum(micro_losses) / 2, abs=6e-5), step
+        assert logged[step] == pytest.approx(sum(micro_losses) / 2, abs=6e-5), (
+            f"step {step}: the logged train loss is not the plain loop's on the train shards")
     assert logged[4] < logged[2] < logged[1]
 
 
@@ -75,6 +76,7 @@ def test_two_processes_log_rank_0s_micro_batch(smoke_runs, plain_loop):
         # rank 0 takes the first half of each batch; 2 processes sum the gradients in another order
         # than 1, which Muon's bf16 iteration can amplify (the val losses allow 2e-3; these
         # measured within the printing's 5e-5)
-        assert logged[step] == pytest.approx(first, abs=2e-3), step
+        assert logged[step] == pytest.approx(first, abs=2e-3), (
+            f"step {step}: rank 0's logged train loss is not the plain loop's on its micro-batch")
     # so the halves are told apart
     assert abs(plain_loop[1][0] - plain_loop[1][1]) > 1e-2

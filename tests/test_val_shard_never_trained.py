@@ -1,6 +1,7 @@
-"""The val shard is never trained on, whatever its name: a copy or a hard link of it among the train
-shards is refused before anything is written, while a train shard of the same size but other tokens
-is used (shards are compared whole)."""
+"""The val shard is never trained on: every sequence a real run's model trains on is a stretch of the
+train shards and none of the val shard; whatever its name, a copy or a hard link of the val shard
+among the train shards is refused before anything is written, while a train shard of the same size
+but other tokens is used (shards are compared whole)."""
 import glob
 import os
 import shutil
@@ -60,3 +61,24 @@ def test_a_train_shard_of_the_val_shards_size_but_other_tokens_is_used(tmp_path,
     with train_gpt.Run(args) as run:
         assert len(run.train_loader.files) == 3
         assert run.sizes[run.train_loader.files[2]] == len(tokens)
+
+
+def as_text(tokens):
+    """Token ids between commas: a stretch of the tokens is a substring."""
+    return "," + ",".join(map(str, tokens)) + ","
+
+
+@pytest.mark.slow
+def test_the_model_trains_on_stretches_of_the_train_shards_never_of_the_val_shard(smoke_runs,
+                                                                                  markov_shards):
+    """The tokens of each forward with gradients in the short smoke run (whatever loader fed it),
+    against the shards' tokens read here (after their header of 256 int32)."""
+    paths = sorted(glob.glob(markov_shards[0]))
+    train = as_text(np.concatenate([np.fromfile(path, "<u2", offset=1024) for path in paths]))
+    val = as_text(markov_shards[2])
+    trained = smoke_runs.profiled()["trained"]
+    assert len(trained) == 8, "the 4 steps of 2 micro-batches each are not the forwards recorded"
+    for tokens in trained:
+        in_val, in_train = as_text(tokens) in val, as_text(tokens) in train
+        assert not in_val, "the val shard is trained on: a sequence the model trained on is in it"
+        assert in_train, "a sequence the model trained on is not a stretch of the train shards"
