@@ -3,8 +3,9 @@
 The fused head (through Triton's interpreter on a CPU) against the plain head at another softcap,
 whole and in row chunks; a rewritten GPT.logits or GPT.head_loss caught before the kernel computes
 another function; uncompiled flex_attention, which reads only the BlockMask's mask_mod, against the
-dense mask; every option's facts beside its field, read by the option checks, the resume and the
-compile cache. Fast, nothing compiled: `python -m pytest tests/test_fork_paths.py -q`.
+dense mask, and the per-token test of compiled regions, a broken mask named in words; every
+option's facts beside its field, read by the option checks, the resume and the compile cache. Fast,
+nothing compiled: `python -m pytest tests/test_fork_paths.py -q`.
 """
 import ast
 import dataclasses
@@ -57,6 +58,22 @@ def reference_mask(tokens, window_blocks):
     return (k <= q) & (docs[k] == docs[q]) & (q // BLOCK_SIZE - k // BLOCK_SIZE < window_blocks)
 
 
+def mask_fault(mask, expected):
+    """What the mask gets wrong against the expected one, in words (None: nothing): a later token
+    seen, else another token seen that must not be, else one missed."""
+    seen = (mask & ~expected).nonzero().tolist()
+    later = [(q, k) for q, k in seen if k > q]
+    missed = (~mask & expected).nonzero().tolist()
+    if later:
+        return "attention sees a later token: query {} sees key {}".format(*later[0])
+    if seen:
+        return ("attention sees a token of another document or outside the window: query {} sees "
+                "key {}").format(*seen[0])
+    if missed:
+        return "attention misses a token it must see: query {}, key {}".format(*missed[0])
+    return None
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_uncompiled_flex_attention_with_the_block_mask_applies_the_dense_mask(layout):
     """Uncompiled (`--compile false`), flex_attention ignores the block lists and evaluates
@@ -67,13 +84,30 @@ def test_uncompiled_flex_attention_with_the_block_mask_applies_the_dense_mask(la
     for window in (1, 2, 3, 6):
         window_blocks = torch.tensor(window, dtype=torch.int32)
         expected_mask = reference_mask(tokens, window)
-        assert torch.equal(build_dense_mask(tokens, window_blocks), expected_mask)
+        fault = mask_fault(build_dense_mask(tokens, window_blocks), expected_mask)
+        assert fault is None, f"the dense mask, window {window}: {fault}"
         block_mask = build_block_mask(tokens, window_blocks)
         token_mask = create_mask(block_mask.mask_mod, 1, 1, SEQ, SEQ, device="cpu")[0, 0]
-        assert torch.equal(token_mask, expected_mask), f"mask_mod alone, window {window}"
+        fault = mask_fault(token_mask, expected_mask)
+        assert fault is None, f"mask_mod alone, window {window}: {fault}"
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=expected_mask)
         got = flex_attention(q, k, v, block_mask=block_mask)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"window {window}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_in_a_compiled_region_the_per_token_test_is_causal_and_within_one_document(monkeypatch,
+                                                                                   layout):
+    """Compiled (on GPUs), FlexAttention applies mask_mod in the partial blocks and the window
+    lives in the block lists: mask_mod, built as in a compiled region, is the mask of one document
+    up to the query, with no window."""
+    tokens = tokens_of(layout)
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.compiler, "is_compiling", lambda: True)
+        block_mask = build_block_mask(tokens, torch.tensor(1, dtype=torch.int32))
+    token_mask = create_mask(block_mask.mask_mod, 1, 1, SEQ, SEQ, device="cpu")[0, 0]
+    fault = mask_fault(token_mask, reference_mask(tokens, SEQ // BLOCK_SIZE))
+    assert fault is None, f"mask_mod in a compiled region: {fault}"
 
 
 # --- the fused head follows GPT.softcap and GPT.logits --------------------------------------------

@@ -1,4 +1,4 @@
-"""The model's shape facts and its step-0 loss."""
+"""The model's shape facts, its step-0 loss, and that no position sees a later token."""
 import math
 
 import pytest
@@ -73,6 +73,29 @@ def test_step_zero_loss_is_log_vocab_because_the_head_starts_at_zero():
     tokens = torch.randint(0, 50257, (256,))
     loss = model(tokens.int(), tokens.roll(-1), torch.tensor(2, dtype=torch.int32))
     assert abs(loss.item() - math.log(50304)) < 1e-4
+
+
+def test_no_position_sees_a_later_token():
+    """The logits at positions before t are the same whatever the tokens from t on, for t at a
+    sequence's start, inside a block, on a block's edge and at its end; the model's weights random
+    (its zero-initialised projections and head would make every logit 0), its window the whole
+    sequence of one document."""
+    torch.manual_seed(0)
+    args = Hyperparameters(vocab_size=1024, num_layers=6, num_heads=2, model_dim=64,
+                           bf16_embeds=False)
+    model = GPT.from_args(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    tokens = torch.randint(0, 1000, (256,), dtype=torch.int32)
+    window = torch.tensor(2, dtype=torch.int32)
+    with torch.no_grad():
+        logits = model(tokens, None, window)
+        for t in (1, 100, 128, 255):
+            later_changed = torch.cat([tokens[:t], torch.randint(0, 1000, (256 - t,))]).int()
+            changed = (model(later_changed, None, window)[:t] - logits[:t]).abs().amax(1) > 1e-6
+            assert not changed.any(), (f"attention sees a later token: the logits at position "
+                                       f"{int(changed.nonzero()[0])} change with the tokens from "
+                                       f"position {t} on")
 
 
 def test_value_embeddings_reach_the_loss_only_in_their_layers():
