@@ -1,5 +1,5 @@
-"""Newton-Schulz and Muon's batched step against per-matrix re-implementations (bf16 and float64),
-and Muon in 2 and 3 processes against 1."""
+"""Muon's update is orthogonal; Newton-Schulz and Muon's batched step against per-matrix
+re-implementations (bf16 and float64), and Muon in 2 and 3 processes against 1."""
 import inspect
 import os
 
@@ -87,6 +87,26 @@ def test_newton_schulz_ignores_the_scale_of_its_input():
     reference = newton_schulz_float64(G, 5)
     for scale in (1e-3, 7.0, 1e4):
         assert relative_error(trainer_newton_schulz(G * scale, 5), reference) < 0.05
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 160)], ids=["wide", "tall", "other"])
+def test_muons_update_is_orthogonal(shape):
+    """Muon's step on one matrix (momentum 0: the update is the gradient G's): whatever its
+    iteration, coefficients or scale, the step's singular values lie within a factor of 2 of each
+    other (G's own: a factor of 3 and more), and it points along G's polar factor UV^T."""
+    torch.manual_seed(1)
+    G = torch.randn(shape)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.grad = G.clone()
+    Muon([p], lr=1.0, momentum=0.0).step()
+    update = -p.detach().double()
+    singular_values = torch.linalg.svdvals(update)
+    smallest, largest = singular_values.min().item(), singular_values.max().item()
+    assert largest < 2 * smallest, (f"Muon's update is not orthogonal: its singular values span "
+                                    f"{smallest:.3g} to {largest:.3g}")
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    cosine = (update * (U @ Vh)).sum() / (update.norm() * (U @ Vh).norm())
+    assert cosine > 0.9, f"Muon's update does not point along the gradient's UV^T: cosine {cosine:.3f}"
 
 
 # --- Muon's batched step -----------------------------------------------------------------------
