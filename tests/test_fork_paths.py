@@ -289,10 +289,15 @@ def test_every_option_is_one_line_with_named_rules_and_the_stamp_follows_the_fie
     assert named == graph and "vocab_size" in named and "seed" not in named
 
 
+# the option a fork adds in the tests below, one no trainer has (a fork may have --mlp_ratio)
+NEW = "tested_ratio"
+
+
 def fork_with_one_more_option(monkeypatch, declared):
-    """Hyperparameters with one more option, --mlp_ratio, added as a fork adds one: one field
-    `mlp_ratio: int = <declared>`, nothing else."""
-    forked = dataclasses.make_dataclass("Hyperparameters", [("mlp_ratio", int, declared)],
+    """Hyperparameters with one more option, --tested_ratio, added as a fork adds one: one field
+    `tested_ratio: int = <declared>`, nothing else."""
+    assert NEW not in {f.name for f in fields(Hyperparameters)}
+    forked = dataclasses.make_dataclass("Hyperparameters", [(NEW, int, declared)],
                                         bases=(Hyperparameters,))
     monkeypatch.setattr(train_gpt, "Hyperparameters", forked)
 
@@ -311,30 +316,30 @@ def test_an_option_added_as_one_field_is_checked_fixed_on_resume_and_stamped(
     monkeypatch.chdir(tmp_path)
     declared = train_gpt.option(4, train_gpt.AT_LEAST_1, fixed=True, graph=True)
     fork_with_one_more_option(monkeypatch, declared)
-    assert train_gpt.main(["--preset", "smoke", "--mlp_ratio", "0", "--log_dir", "logs"]) == 1
-    assert capsys.readouterr().err == "error: --mlp_ratio must be at least 1; got 0\n"
+    assert train_gpt.main(["--preset", "smoke", f"--{NEW}", "0", "--log_dir", "logs"]) == 1
+    assert capsys.readouterr().err == f"error: --{NEW} must be at least 1; got 0\n"
     assert not (tmp_path / "logs").exists()
     path = saved_checkpoint(tmp_path / "state.pt", train_gpt.parse_args(["--preset", "smoke"]))
-    with pytest.raises(train_gpt.UserError, match=r": --mlp_ratio 4 -> 8 would change the model"):
-        train_gpt.load_checkpoint(["--resume", path, "--mlp_ratio", "8"], path)
-    stamps = [train_gpt.compile_cache_stamp(train_gpt.parse_args(["--mlp_ratio", ratio]), 1,
+    with pytest.raises(train_gpt.UserError, match=rf": --{NEW} 4 -> 8 would change the model"):
+        train_gpt.load_checkpoint(["--resume", path, f"--{NEW}", "8"], path)
+    stamps = [train_gpt.compile_cache_stamp(train_gpt.parse_args([f"--{NEW}", ratio]), 1,
                                             torch.device("cpu")) for ratio in ("4", "8")]
-    assert stamps[0].endswith(", --mlp_ratio 4") and stamps[1].endswith(", --mlp_ratio 8")
+    assert stamps[0].endswith(f", --{NEW} 4") and stamps[1].endswith(f", --{NEW} 8")
 
 
 def test_an_option_added_as_a_plain_field_is_an_option_with_no_rule(monkeypatch, tmp_path):
-    """`mlp_ratio: int = 4`, without option(): a command-line option, checked by no rule, which a
-    resumed run may change, and no part of the compile stamp."""
+    """`tested_ratio: int = 4`, without option(): a command-line option, checked by no rule, which
+    a resumed run may change, and no part of the compile stamp."""
     monkeypatch.chdir(tmp_path)
     fork_with_one_more_option(monkeypatch, 4)
-    args = train_gpt.parse_args(["--preset", "smoke", "--mlp_ratio", "0"])
+    args = train_gpt.parse_args(["--preset", "smoke", f"--{NEW}", "0"])
     train_gpt.check_hyperparameters(args)
-    assert args.mlp_ratio == 0
+    assert getattr(args, NEW) == 0
     path = saved_checkpoint(tmp_path / "state.pt", train_gpt.parse_args(["--preset", "smoke"]))
-    resumed, checkpoint = train_gpt.load_checkpoint(["--resume", path, "--mlp_ratio", "8"], path)
-    assert resumed.mlp_ratio == 8 and "--mlp_ratio 4 -> 8" in checkpoint["note"]
+    resumed, checkpoint = train_gpt.load_checkpoint(["--resume", path, f"--{NEW}", "8"], path)
+    assert getattr(resumed, NEW) == 8 and f"--{NEW} 4 -> 8" in checkpoint["note"]
     stamp = train_gpt.compile_cache_stamp(args, 1, torch.device("cpu"))
-    assert "mlp_ratio" not in stamp
+    assert NEW not in stamp
 
 
 def other_value(value):
