@@ -6,6 +6,7 @@ failures, stops passed on to the run, and one real A/B of the smoke preset.
 
 import math
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO
+from helpers import TRAINER
 from helpers import launch_env
 from helpers import load_records_script
 from helpers import run_process
@@ -412,9 +414,11 @@ def test_real_smoke_ab(tmp_path):
              "--max_device_batch_size", "128", "--val_tokens", "128"]
     out = tmp_path / "out"
     # one thread: on a shared CPU, more threads than free cores make a run many times slower
+    # the trainer under test on both sides
+    side_b = f"{shlex.quote(str(TRAINER))} --fused_head_loss false"
     proc = run_process(
-        [sys.executable, str(SCRIPT), "train_gpt.py", "train_gpt.py --fused_head_loss false",
-         "--runs", "1", "--nproc", "1", "--out", str(out), "--", *small],
+        [sys.executable, str(SCRIPT), str(TRAINER), side_b, "--runs", "1", "--nproc", "1", "--out",
+         str(out), "--", *small],
         300, cwd=REPO, env=launch_env(OMP_NUM_THREADS="1"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

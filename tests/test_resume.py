@@ -265,15 +265,15 @@ def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_acce
     state = torch.load(checkpoints[-1], weights_only=True)
     assert state["step"] == 8 and state["source_sha256"] == SOURCE_SHA256
     forked = tmp_path / "forked.pt"
-    # the fork's own option, which this script has no field for
-    fork_args = dict(state["args"], mlp_ratio=8)
+    # the fork's own option, which no trainer under test has a field for
+    fork_args = dict(state["args"], their_ratio=8)
     torch.save(dict(state, args=fork_args, source_sha256="0" * 64,
-                    script="/elsewhere/my_attempt.py"), forked)
+                    script="/elsewhere/their_fork.py"), forked)
     argv = ["--resume", str(forked), "--log_dir", str(tmp_path / "logs"), "--val_loss_every", "4"]
     assert train_gpt.main(argv) == 1
     err = capsys.readouterr().err
-    assert err == (f"error: --resume {str(forked)!r} was written by my_attempt.py (sha256 "
-                   f"000000000000), not by this script, train_gpt.py (sha256 "
+    assert err == (f"error: --resume {str(forked)!r} was written by their_fork.py (sha256 "
+                   f"000000000000), not by this script, {TRAINER.name} (sha256 "
                    f"{SOURCE_SHA256[:12]}): resume with the script that wrote it, or pass "
                    "--accept_other_script true to go on with this one (the log records it)\n")
     assert not (tmp_path / "logs").exists()
@@ -283,9 +283,9 @@ def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_acce
     # the run that wrote it named by its id, its log's and checkpoint folder's name
     run_id = checkpoints[-1].parent.name
     assert (f"resumed from {forked} at step 8 of run {run_id}, its last step: nothing to train, "
-            "its val loss again, written by my_attempt.py (sha256 000000000000): "
+            "its val loss again, written by their_fork.py (sha256 000000000000): "
             "another script, accepted (--accept_other_script); its options this script lacks, "
-            "not applied: --mlp_ratio 8; options changed: "
+            "not applied: --their_ratio 8; options changed: "
             "--val_loss_every 2 -> 4, "
             f"--log_dir '{checkpoints[-1].parent.parent}' -> '{tmp_path / 'logs'}'" in lines)
     # the checkpoint's shards, which the command line did not name
