@@ -57,7 +57,8 @@ def test_a_train_shard_of_the_val_shards_size_but_other_tokens_is_used(tmp_path,
     pattern = train_folder_with(tmp_path, markov_shards,
                                 lambda path: write_data_shard(path, tokens))
     args = train_gpt.parse_args(["--preset", "smoke", "--train_files", pattern,
-                                 "--val_files", str(tmp_path / "big_val_*.bin")])
+                                 "--val_files", str(tmp_path / "big_val_*.bin"),
+                                 "--log_dir", str(tmp_path / "logs")])
     with train_gpt.Run(args) as run:
         assert len(run.train_loader.files) == 3
         assert run.sizes[run.train_loader.files[2]] == len(tokens)
