@@ -215,20 +215,6 @@ def small_shards(folder, train_tokens=(600, 600), val_tokens=2000):
     return f"{escaped}/t_*", f"{escaped}/v_*"
 
 
-def corrupt(path, how):
-    """Damage a shard's header (magic, version) or cut it short (truncated, header_only_part)."""
-    data = bytearray(path.read_bytes())
-    if how == "magic":
-        data[0:4] = np.int32(12345).tobytes()
-    elif how == "version":
-        data[4:8] = np.int32(7).tobytes()
-    elif how == "truncated":
-        data = data[:-10]
-    elif how == "header_only_part":
-        data = data[:100]
-    path.write_bytes(bytes(data))
-
-
 # the smoke preset at 6 blocks of width 16, one head: a CPU step is mostly the 50,304-wide head
 TINY_MODEL = ["--num_layers", "6", "--model_dim", "16", "--num_heads", "1"]
 # one step of one 128-token sequence, validated after it

@@ -4,7 +4,6 @@ would repeat train tokens (unless allowed), val tokens beyond the val shards, a 
 the full preset that never falls back to synthetic data."""
 import numpy as np
 import pytest
-from helpers import corrupt
 from helpers import run_main
 from helpers import smoke_on
 from helpers import stream_shards
@@ -75,7 +74,8 @@ def test_val_tokens_beyond_the_val_shards_fail_before_step_one(tmp_path, capsys,
 def test_a_corrupt_shard_through_main_is_one_line_naming_it(tmp_path, capsys, markov_shards):
     path = tmp_path / "c_train_000001.bin"
     write_data_shard(path, np.arange(5000))
-    corrupt(path, "magic")
+    # a damaged magic number
+    path.write_bytes(np.int32(12345).tobytes() + path.read_bytes()[4:])
     err = run_main(capsys, "--preset", "smoke", "--train_files", str(path), "--val_files",
                    markov_shards[1])
     assert "magic" in err and str(path) in err

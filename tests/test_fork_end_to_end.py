@@ -11,7 +11,6 @@ and the repository's modules between the two).
 """
 import ast
 import copy
-import importlib.util
 import json
 import random
 import sys
@@ -54,14 +53,6 @@ class GPT(GPT):
 """
 
 
-def import_file(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def fork(markov_shards, tmp_path_factory):
     """(the fork's module, its checkpoint): my_attempt.py, trained in this process on the smoke
@@ -69,7 +60,7 @@ def fork(markov_shards, tmp_path_factory):
     tokens on the session's Markov shards (after 2, both models' greedy tokens are alike)."""
     folder = tmp_path_factory.mktemp("fork")
     (folder / "my_attempt.py").write_text(TRAINER.read_text() + FORK_IDEA)
-    module = import_file(folder / "my_attempt.py", "my_attempt")
+    module = helpers.import_file("my_attempt", folder / "my_attempt.py")
     train, val, _ = markov_shards
     options = ["--preset", "smoke", "--train_files", train, "--val_files", val,
                "--num_layers", "6", "--model_dim", "16", "--num_heads", "1",

@@ -7,7 +7,6 @@ import glob
 import numpy as np
 import pytest
 import torch
-from helpers import corrupt
 from helpers import stream_shards
 
 import train_gpt
@@ -90,6 +89,20 @@ def test_loader_gives_exactly_the_batches_the_budget_counts(tmp_path):
     short = DistributedDataLoader(short_pattern, 0, 1, CPU)
     assert batches_before_wrap(short.files, {short.files[0]: steps * batch + 1}, batch) == steps - 1
     assert [short.next_batch(batch)[0][0].item() for _ in range(steps)] == [0, 1024, 0]
+
+
+def corrupt(path, how):
+    """Damage a shard's header (magic, version) or cut it short (truncated, header_only_part)."""
+    data = bytearray(path.read_bytes())
+    if how == "magic":
+        data[0:4] = np.int32(12345).tobytes()
+    elif how == "version":
+        data[4:8] = np.int32(7).tobytes()
+    elif how == "truncated":
+        data = data[:-10]
+    elif how == "header_only_part":
+        data = data[:100]
+    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("how,words", [("magic", "magic"), ("version", "version"),
