@@ -1,6 +1,7 @@
-"""data/cached_fineweb10B.py with the real huggingface_hub client, against a stand-in of the hub's
-download protocol and of the one API call the script makes (dataset_info, for the published
-sha256 of each shard) on 127.0.0.1 (FakeHub, below). Offline: HF_ENDPOINT points at the
+"""The data tools with the real huggingface_hub client, against a stand-in of the hub's download
+protocol and of the one API call they make (dataset_info, for the published sha256 of each file)
+on 127.0.0.1 (FakeHub, below): data/cached_fineweb10B.py, and at the end data/text_to_shards.py
+on a dataset's files (its card's configs, the published hashes). Offline: HF_ENDPOINT points at the
 stand-in, HF_HOME/HF_HUB_CACHE into tmp_path.
 
 Most runs call the script's main() in this process, with the environment a fresh process would
@@ -15,6 +16,7 @@ import collections
 import contextlib
 import errno
 import glob
+import gzip
 import hashlib
 import importlib
 import io
@@ -38,8 +40,14 @@ import files
 import numpy as np
 import pytest
 import shards
+import text_to_shards
+import tiktoken
 from helpers import launch_env
 from helpers import run_process
+from hub import HubError
+from hub import card_patterns
+from hub import glob_regex
+from tiktoken_ext.openai_public import r50k_pat_str
 
 ROOT = Path(__file__).resolve().parents[1]
 try:  # the trainer's reader has the last word on what counts as a readable shard
@@ -718,3 +726,125 @@ def test_a_pipe_or_a_folder_at_a_shards_name_is_reported_not_opened(hub, tmp_pat
         assert (dest / name).read_bytes() == hub.served(name)
     assert [r.filename for r in hub.file_gets()] == [train(2)]
 
+
+# --- data/text_to_shards.py on the hub's files, in a byte-level encoding ------------------------
+EOT = 50256
+WORDS = ["the", "speedrun", "na\u00efve", "\u65e5\u672c", "token", "shard", "\U0001F680",
+         "d\u00e9j\u00e0", "42"]
+
+
+def corpus(count, seed):
+    """`count` documents of 0 to 60 words, seeded."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, rng.integers(0, 61))) for _ in range(count)]
+
+
+def json_lines(documents):
+    records = ({"id": i, "text": doc} for i, doc in enumerate(documents))
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
+def byte_encoding():
+    """A stand-in for GPT-2's BPE: one token per UTF-8 byte, EOT at 50256."""
+    return tiktoken.Encoding("bytes", pat_str=r50k_pat_str, special_tokens={"<|endoftext|>": EOT},
+                             mergeable_ranks={bytes([b]): b for b in range(256)})
+
+
+def byte_documents(out, name):
+    """The documents of the shards text_to_shards wrote, the val shard first, read after their
+    header (256 int32); each led by an EOT, decoded a byte per token."""
+    paths = sorted(out.glob(f"{name}_val_*.bin")) + sorted(out.glob(f"{name}_train_*.bin"))
+    tokens = np.concatenate([np.fromfile(path, "<u2", offset=1024) for path in paths])
+    assert tokens[0] == EOT
+    documents = np.split(tokens, np.flatnonzero(tokens == EOT))[1:]
+    return [bytes(document[1:].tolist()).decode() for document in documents]
+
+
+CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/*/*
+- config_name: sample-10BT
+  data_files:
+  - split: train
+    path: sample/10BT/*
+---
+# A stand-in dataset
+"""
+
+
+def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
+    stand_in = FakeHub(repo="someone/corpus", redirect=False)
+    documents = corpus(60, seed=7)
+    stand_in.add("README.md", CARD.encode())
+    # listed out of order: read sorted by path
+    for i in (2, 0, 1):
+        part = gzip.compress(json_lines(documents[i::3]).encode())
+        stand_in.add(f"sample/10BT/{i:03d}_00000.jsonl.gz", part)
+    # another config's file
+    stand_in.add("data/CC-MAIN-2024/000.jsonl.gz", gzip.compress(json_lines(documents).encode()))
+    argv = ["--hub", "someone/corpus", "--hub_config", "sample-10BT", "--name", "edu", "--out",
+            str(tmp_path / "out"), "--val_tokens", "100", "--workers", "1"]
+    try:
+        with hub_environment(env_for(stand_in.endpoint, tmp_path)):
+            status = text_to_shards.main(argv, encoding=byte_encoding())
+    finally:
+        stand_in.stop()
+    assert status == 0
+    in_file_order = [doc for i in range(3) for doc in documents[i::3]]
+    assert byte_documents(tmp_path / "out", "edu") == in_file_order
+    fetched = [request.filename for request in stand_in.file_gets()]
+    assert fetched == ["README.md"] + [f"sample/10BT/{i:03d}_00000.jsonl.gz" for i in range(3)]
+
+
+# in LFS, the hub publishes a file's sha256 (and redirects to a CDN); in git, its git blob id
+@pytest.mark.parametrize("lfs", [True, False])
+def test_hub_bytes_that_are_not_the_published_ones_are_refused_then_fetched_again(tmp_path, capsys,
+                                                                                  lfs):
+    stand_in = FakeHub(repo="someone/corpus", redirect=lfs)
+    documents = corpus(60, seed=3)
+    parts = [json_lines(documents[:30]).encode(), json_lines(documents[30:]).encode()]
+    stand_in.add("data/a.jsonl", parts[0], lfs=lfs)
+    stand_in.add("data/b.jsonl", parts[1], lfs=lfs)
+    # other words than those the hub published the hash of, as from a bad mirror
+    assert b"speedrun" in parts[1]
+    stand_in.files["data/b.jsonl"].data = parts[1].replace(b"speedrun", b"speedrum")
+    out = tmp_path / "out"
+    argv = ["--hub", "someone/corpus", "--hub_files", "data/*.jsonl", "--name", "c", "--out",
+            str(out), "--val_tokens", "100", "--workers", "1"]
+    try:
+        with hub_environment(env_for(stand_in.endpoint, tmp_path)):
+            status = text_to_shards.main(argv, encoding=byte_encoding())
+            # after the progress bar's line
+            last = capsys.readouterr().err.splitlines()[-1]
+            assert status == 1
+            assert last.startswith("error: someone/corpus:data/b.jsonl: ") and "rerun" in last
+            # the hub serves the true bytes again: the rerun fetches them, not the refused ones
+            stand_in.add("data/b.jsonl", parts[1], lfs=lfs)
+            assert text_to_shards.main(argv, encoding=byte_encoding()) == 0
+    finally:
+        stand_in.stop()
+    assert byte_documents(out, "c") == documents
+
+
+def test_a_config_or_split_the_card_lacks_is_one_line(tmp_path):
+    card = tmp_path / "README.md"
+    card.write_text(CARD)
+    patterns = card_patterns("someone/corpus", card, "sample-10BT", "train")
+    assert patterns == ["sample/10BT/*"]
+    unknown_config = r"no config 'nope' \(its configs: default, sample-10BT\)"
+    with pytest.raises(HubError, match=unknown_config):
+        card_patterns("someone/corpus", card, "nope", "train")
+    unknown_split = r"has no split 'test' \(it has train\); pass --hub_split"
+    with pytest.raises(HubError, match=unknown_split):
+        card_patterns("someone/corpus", card, None, "test")
+    pattern = glob_regex("data/*/*.parquet")
+    assert pattern.fullmatch("data/CC-MAIN-2024/000.parquet")
+    assert not pattern.fullmatch("data/a/b/000.parquet")
+    assert glob_regex("data/**/*.parquet").fullmatch("data/a/b/000.parquet")
+    some = glob_regex("sample/10BT/00[0-2]_?.parquet")
+    matched = [some.fullmatch(f"sample/10BT/00{i}_0.parquet") is not None for i in range(4)]
+    assert matched == [True, True, True, False]
+    assert not glob_regex("[!d]*").fullmatch("data")

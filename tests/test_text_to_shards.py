@@ -1,8 +1,8 @@
-"""data/text_to_shards.py: text files, JSON Lines (plain and gzipped), Parquet and a stand-in of the
-hub in; shards out, read with the trainer's own reader and compared with an independent encoding
-of every document. Most runs are in this process with a tiny byte-level encoding (one token per
-UTF-8 byte), so that decoding is plain bytes; GPT-2's real BPE where its ranks
-file is at hand (helpers.gpt2_ranks)."""
+"""data/text_to_shards.py: text files, JSON Lines (plain and gzipped) and Parquet in (the hub's
+files: test_fetch.py, beside its stand-in of the hub); shards out, read with the trainer's own
+reader and compared with an independent encoding of every document. Most runs are in this process
+with a tiny byte-level encoding (one token per UTF-8 byte), so that decoding is plain bytes;
+GPT-2's real BPE where its ranks file is at hand (helpers.gpt2_ranks)."""
 import gzip
 import json
 import os
@@ -12,8 +12,6 @@ import zlib
 
 import gpt2_tokenizer
 import helpers
-import hub
-import hub_stand_in
 import numpy as np
 import pytest
 import shards
@@ -21,7 +19,6 @@ import text_to_shards
 import tiktoken
 from helpers import REPO
 from helpers import finished_log
-from hub_stand_in import hub_environment
 from tiktoken_ext.openai_public import r50k_pat_str
 
 import train_gpt
@@ -403,110 +400,6 @@ def test_parquet_without_pyarrow_names_the_install_command(tmp_path, capsys, mon
     install = f"pip install {text_to_shards.PYARROW}"
     assert capsys.readouterr().err.strip() == f"error: reading Parquet needs pyarrow: `{install}`"
     assert install in (REPO / "README.md").read_text()  # the version the README names
-
-
-# The hub, through a stand-in ---------------------------------------------------------------------
-CARD = """---
-configs:
-- config_name: default
-  data_files:
-  - split: train
-    path: data/*/*
-- config_name: sample-10BT
-  data_files:
-  - split: train
-    path: sample/10BT/*
----
-# A stand-in dataset
-"""
-
-
-def stand_in_environment(tmp_path, hub):
-    """The environment of a run against the stand-in `hub`: no user token, cache or endpoint from
-    the caller's environment; plain HTTP, so no certificate authorities to load (SSL_CERT_DIR empty,
-    no SSL_CERT_FILE)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HF_", "HUGGING")) and k != "SSL_CERT_FILE"}
-    authorities = tmp_path / "no_certificate_authorities"
-    authorities.mkdir(exist_ok=True)
-    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"),
-               HF_HUB_DOWNLOAD_TIMEOUT="5", SSL_CERT_DIR=str(authorities))
-    return env
-
-
-def test_hub_dataset_config_is_fetched_and_tokenized_in_file_order(tmp_path):
-    hub = hub_stand_in.FakeHub(repo="someone/corpus", redirect=False)
-    documents = corpus(60, seed=7)
-    hub.add("README.md", CARD.encode())
-    # listed out of order: read sorted by path
-    for i in (2, 0, 1):
-        part = gzip.compress(json_lines(documents[i::3]).encode())
-        hub.add(f"sample/10BT/{i:03d}_00000.jsonl.gz", part)
-    # another config's file
-    hub.add("data/CC-MAIN-2024/000.jsonl.gz", gzip.compress(json_lines(documents).encode()))
-    argv = ["--hub", "someone/corpus", "--hub_config", "sample-10BT", "--name", "edu", "--out",
-            str(tmp_path / "out"), "--val_tokens", "100", "--workers", "1"]
-    try:
-        with hub_environment(stand_in_environment(tmp_path, hub)):
-            status = text_to_shards.main(argv, encoding=byte_encoding())
-    finally:
-        hub.stop()
-    assert status == 0
-    in_file_order = [doc for i in range(3) for doc in documents[i::3]]
-    assert byte_documents(tmp_path / "out", "edu") == in_file_order
-    fetched = [request.filename for request in hub.file_gets()]
-    assert fetched == ["README.md"] + [f"sample/10BT/{i:03d}_00000.jsonl.gz" for i in range(3)]
-
-
-# in LFS, the hub publishes a file's sha256 (and redirects to a CDN); in git, its git blob id
-@pytest.mark.parametrize("lfs", [True, False])
-def test_hub_bytes_that_are_not_the_published_ones_are_refused_then_fetched_again(tmp_path, capsys,
-                                                                                  lfs):
-    stand_in = hub_stand_in.FakeHub(repo="someone/corpus", redirect=lfs)
-    documents = corpus(60, seed=3)
-    parts = [json_lines(documents[:30]).encode(), json_lines(documents[30:]).encode()]
-    stand_in.add("data/a.jsonl", parts[0], lfs=lfs)
-    stand_in.add("data/b.jsonl", parts[1], lfs=lfs)
-    # other words than those the hub published the hash of, as from a bad mirror
-    assert b"speedrun" in parts[1]
-    stand_in.files["data/b.jsonl"].data = parts[1].replace(b"speedrun", b"speedrum")
-    out = tmp_path / "out"
-    argv = ["--hub", "someone/corpus", "--hub_files", "data/*.jsonl", "--name", "c", "--out",
-            str(out), "--val_tokens", "100", "--workers", "1"]
-    try:
-        with hub_environment(stand_in_environment(tmp_path, stand_in)):
-            status = text_to_shards.main(argv, encoding=byte_encoding())
-            # after the progress bar's line
-            last = capsys.readouterr().err.splitlines()[-1]
-            assert status == 1
-            assert last.startswith("error: someone/corpus:data/b.jsonl: ") and "rerun" in last
-            # the hub serves the true bytes again: the rerun fetches them, not the refused ones
-            stand_in.add("data/b.jsonl", parts[1], lfs=lfs)
-            assert text_to_shards.main(argv, encoding=byte_encoding()) == 0
-    finally:
-        stand_in.stop()
-    assert byte_documents(out, "c") == documents
-
-
-def test_a_config_or_split_the_card_lacks_is_one_line(tmp_path):
-    card = tmp_path / "README.md"
-    card.write_text(CARD)
-    patterns = hub.card_patterns("someone/corpus", card, "sample-10BT", "train")
-    assert patterns == ["sample/10BT/*"]
-    unknown_config = r"no config 'nope' \(its configs: default, sample-10BT\)"
-    with pytest.raises(hub.HubError, match=unknown_config):
-        hub.card_patterns("someone/corpus", card, "nope", "train")
-    unknown_split = r"has no split 'test' \(it has train\); pass --hub_split"
-    with pytest.raises(hub.HubError, match=unknown_split):
-        hub.card_patterns("someone/corpus", card, None, "test")
-    pattern = hub.glob_regex("data/*/*.parquet")
-    assert pattern.fullmatch("data/CC-MAIN-2024/000.parquet")
-    assert not pattern.fullmatch("data/a/b/000.parquet")
-    assert hub.glob_regex("data/**/*.parquet").fullmatch("data/a/b/000.parquet")
-    some = hub.glob_regex("sample/10BT/00[0-2]_?.parquet")
-    matched = [some.fullmatch(f"sample/10BT/00{i}_0.parquet") is not None for i in range(4)]
-    assert matched == [True, True, True, False]
-    assert not hub.glob_regex("[!d]*").fullmatch("data")
 
 
 # The trainer on the shards -----------------------------------------------------------------------
