@@ -183,9 +183,9 @@ def sigmoid_logits(self, x):
     return self.softcap * (2 * torch.sigmoid(self.lm_head(x) / self.softcap) - 1)
 
 
-def literal_softcap_logits(self, x):
-    """A softcap changed in GPT.logits only, not in GPT.softcap."""
-    return 30 * torch.tanh(self.lm_head(x) / 30)
+def own_softcap_logits(self, x):
+    """A softcap changed in GPT.logits only, not in GPT.softcap (twice that, whatever it is)."""
+    return 2 * self.softcap * torch.tanh(self.lm_head(x) / (2 * self.softcap))
 
 
 def label_smoothed_head_loss(self, x, targets):
@@ -197,7 +197,7 @@ def label_smoothed_head_loss(self, x, targets):
 # what a fork may change above the fence, and what the kernel cannot compute
 REWRITES = {
     "logits_squashed_otherwise": ("logits", sigmoid_logits),
-    "logits_with_a_literal_softcap": ("logits", literal_softcap_logits),
+    "logits_with_a_softcap_of_their_own": ("logits", own_softcap_logits),
     "head_loss_label_smoothed": ("head_loss", label_smoothed_head_loss),
     "softcap_beyond_the_kernels_range": ("softcap", 50),
     "softcap_learned": ("softcap", torch.nn.Parameter(torch.tensor(15.0))),
