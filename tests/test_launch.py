@@ -307,7 +307,9 @@ def test_under_run_sh_torchruns_report_names_the_failing_rank_its_line_and_exit_
     assert result.returncode == 1
     # rank 0's own error and traceback are kept: printed, and in its log
     last = finished_log(tmp_path / "logs").read_text().splitlines()[-1]
-    assert re.match(r"RuntimeError: .* by peer", last), last
+    # its own error, or, where torchrun's SIGTERM to the survivor came first (a loaded machine),
+    # the stop that signal makes
+    assert re.match(r"RuntimeError: .* by peer", last) or last.startswith("stopped by SIGTERM"), last
 
 
 # a worker that stops on SIGTERM or SIGHUP (unless ignored) as the trainer does; it first reports
@@ -409,7 +411,7 @@ def test_a_rank_killed_mid_run_is_the_first_failure_and_the_survivor_ends_in_sec
         markov_shards, tmp_path):
     """run.sh on two stand-in GPUs (gloo on the CPU), rank 1 killed with SIGKILL (the OOM killer,
     a lost node) once step 2 is logged: torchrun's report names it; rank 0 ends within seconds,
-    its own error's traceback in its log."""
+    its log's last line its own error or the stop torchrun asked for."""
     env = run_sh_env(tmp_path / "bin", 2)
     options = tiny(markov_shards, tmp_path / "logs", "--num_iterations", "500",
                    "--val_loss_every", "0", "--allow_data_repeat", "true")
@@ -426,7 +428,9 @@ def test_a_rank_killed_mid_run_is_the_first_failure_and_the_survivor_ends_in_sec
     assert first["rank"] == "1 (local_rank: 1)" and "SIGKILL" in first["exitcode"], first
     assert proc.returncode == 1
     last = finished_log(tmp_path / "logs").read_text().splitlines()[-1]
-    assert re.match(r"RuntimeError: .* by peer", last), last
+    # its own error, or, where torchrun's SIGTERM to the survivor came first (a loaded machine),
+    # the stop that signal makes
+    assert re.match(r"RuntimeError: .* by peer", last) or last.startswith("stopped by SIGTERM"), last
 
 
 # a console that goes away -------------------------------------------------------------------------
