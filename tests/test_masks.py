@@ -379,6 +379,8 @@ def test_compiled_mask_and_attention_match_the_token_by_token_definition_in_one_
         if window in (1, 2, 3, 4, 14) and (not long or name == "mixed"):
             expected_mask = reference_mask(tokens, window)
             dense = build_dense_mask(tokens, window_blocks)
+            # above the diagonal: a query's later keys
+            assert not dense.triu(1).any(), f"attention sees a later token, window {window}"
             assert torch.equal(dense, expected_mask), f"dense mask differs, window {window}"
             expected = F.scaled_dot_product_attention(q, k, v, attn_mask=expected_mask)
             torch.testing.assert_close(attention, expected, rtol=1e-5, atol=1e-5,
