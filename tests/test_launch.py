@@ -147,9 +147,8 @@ def test_nvidia_smi_runs_once_a_run_with_a_time_limit(tmp_path, monkeypatch):
         with train_gpt.RunLog(args, master) as log:
             log.header(args, 2, torch.device("cpu"), (loader, loader), 0.5, [])
     assert len(timeouts) == 1 and 0 < timeouts[0] <= 60
-    lines = finished_log(tmp_path).read_text().splitlines()
-    assert any(line.startswith("nvidia-smi: no table (TimeoutExpired: ") for line in lines)
-    assert "hyperparameters:" in lines  # the rest of the header follows
+    # the rest of the header follows, without the table
+    assert "hyperparameters:" in finished_log(tmp_path).read_text().splitlines()
 
 
 # run.sh -------------------------------------------------------------------------------------------

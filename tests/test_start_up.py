@@ -72,11 +72,10 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_shard_and_position(
     path = tmp_path / "bad_000001.bin"
     write_data_shard(path, tokens)
     # loaded unchecked; the vocabulary is checked as the trainer opens each shard
-    loaded = load_data_shard(path)
-    assert loaded.tolist() == tokens.tolist()
-    train_gpt.check_vocabulary(path, loaded, 65536)
+    assert load_data_shard(path).tolist() == tokens.tolist()
+    assert train_gpt.read_checked_shard(path, 65536).tolist() == tokens.tolist()
     with pytest.raises(UserError) as info:
-        train_gpt.check_vocabulary(path, loaded, 50304)
+        train_gpt.read_checked_shard(path, 50304)
     assert str(info.value).startswith(
         f"{path}: token id 50304 at position 637 is not below --vocab_size 50304"
     )
