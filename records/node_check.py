@@ -28,7 +28,6 @@ beside training runs. The runs' scratch folder in --log_dir goes at the end. --s
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import glob
 import importlib.util
@@ -71,9 +70,6 @@ EAGER_TOKENS = 2048
 # relative: compiled against eager (bf16 kernels round differently), and rank against rank
 LOSS_TOLERANCE = 0.01
 RANK_TOLERANCE = 0.001
-# FlexAttention's block, which the window is counted in; GPT-2's token ids
-ATTENTION_BLOCK = 128
-GPT2_TOKENS = 50257
 SEPARATOR = "=" * 100
 VAL_LINE = re.compile(r"^step:(\d+)/\d+ val_loss:(\S+) train_time:\d+ms step_avg:(\S+)ms$", re.M)
 PEAK_LINE = re.compile(r"^peak memory consumption: (\d+) MiB$", re.M)
@@ -120,11 +116,11 @@ def fresh_group_names():
     dist.distributed_c10d._world.group_count = next(GROUP_NAMES)
 
 
-def mean_window(args):
+def mean_window(t, args):
     """The attention window's mean over the run, in tokens: it grows linearly from --window_start
-    to --window_end, counted in whole blocks (rounded down)."""
-    blocks = (args.window_start + args.window_end) / 2 / ATTENTION_BLOCK - 0.5
-    return max(1, round(blocks)) * ATTENTION_BLOCK
+    to --window_end, counted in whole blocks of the trainer's (rounded down)."""
+    blocks = (args.window_start + args.window_end) / 2 / t.BLOCK_SIZE - 0.5
+    return max(1, round(blocks)) * t.BLOCK_SIZE
 
 
 def timed_ms(work, device, times=1):
@@ -164,7 +160,7 @@ def device_facts(device):
 def own_checks(t, args, ours, rank, world, device):
     """Steps 1 to 3 on this rank: what it measured and found, in plain values."""
     micro_batch = t.micro_batch_plan(args, world)[0]
-    window = torch.tensor(mean_window(args) // ATTENTION_BLOCK, dtype=torch.int32, device=device)
+    window = torch.tensor(mean_window(t, args) // t.BLOCK_SIZE, dtype=torch.int32, device=device)
     # the model as the trainer builds it: seeded, compiled (on CUDA by default), in DDP
     torch.manual_seed(args.seed)
     model = t.GPT.from_args(args, device).to(device)
@@ -180,7 +176,8 @@ def own_checks(t, args, ours, rank, world, device):
     generator = torch.Generator().manual_seed(args.seed)
 
     def batch(tokens):
-        ids = torch.randint(GPT2_TOKENS, (tokens + 1,), generator=generator)
+        # GPT-2's ids: up to its end of text
+        ids = torch.randint(t.EOT + 1, (tokens + 1,), generator=generator)
         return ids[:-1].to(device, torch.int32), ids[1:].to(device, torch.int64)
 
     inputs, targets = batch(micro_batch)
@@ -321,7 +318,7 @@ def trainer_run(t, argv):
 def real_steps(t, trainer_argv, args, steps, folder, rank):
     """Step 4: on rank 0, the (path, text) of the first run's log and the resumed one's (none on
     the others); the exit code of a run that failed or stopped."""
-    window = str(mean_window(args))
+    window = str(mean_window(t, args))
     # a folder for each rank: each writes a synthetic stream of its own there (where one rank's
     # would replace another's, the trainer could find it changed since it started)
     mine, written = folder / f"rank{rank}", folder / "rank0"
@@ -366,7 +363,7 @@ def conclude(t, ours, args, world, device, found, faults, lines, logs):
     (first, text), (_, resumed) = logs
     steps, first_loss, step_avg = VAL_LINE.findall(text)[-1]
     lines.append(f"real steps: {steps} steps of the trainer, the window held at "
-                 f"{mean_window(args)} tokens: step_avg {step_avg} ms; checkpoint at step "
+                 f"{mean_window(t, args)} tokens: step_avg {step_avg} ms; checkpoint at step "
                  f"{ours.steps - RESUMED_STEPS}, resumed on every rank: val loss "
                  f"{VAL_LINE.findall(resumed)[-1][1]} (the run it resumes: {first_loss})")
     projected = projection(t, args, world, float(step_avg), max(f["eval_ms"] for f in found))
@@ -396,16 +393,14 @@ def own_checks_on_every_rank(t, ours, args, rank, world, device, folder):
         fresh_group_names()
         t.start_process_group(device)
     micro_batch = t.micro_batch_plan(args, world)[0]
+    # out of memory: the trainer's line, which says what to pass
     try:
-        found = [dict(own_checks(t, args, ours, rank, world, device), folder=folder)]
+        with t.out_of_memory_as_error(micro_batch):
+            found = [dict(own_checks(t, args, ours, rank, world, device), folder=folder)]
         if world > 1:
             mine, found = found[0], [None] * world
             dist.all_gather_object(found, mine)
         return found
-    except torch.cuda.OutOfMemoryError:
-        raise t.UserError(f"out of GPU memory with micro-batches of {micro_batch:,} tokens: pass "
-                          f"--max_device_batch_size {micro_batch // 2} (the global batch and the "
-                          "maths stay the same)", every_rank=True) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -419,12 +414,8 @@ def check(t, ours, trainer_argv, args, rank, world, device):
     for faulty in {ours.slow_rank, ours.perturb_rank} - {None, *range(world)}:
         raise t.UserError(f"there is no rank {faulty} of {world} to make faulty")
     if device.type == "cpu":
-        # as the trainer's runs do (glibc): freed memory kept for the next allocation, so that a
-        # CPU's passes here are timed as its steps there
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None)
-            libc.mallopt(-1, 2 ** 30)
-            libc.mallopt(-4, 0)
+        # as the trainer's runs do: a CPU's passes here are timed as its steps there
+        t.keep_freed_memory()
     # the trainer's runs' scratch folder: rank 0 makes it, names it to all, and removes it
     folder = None
     if rank == 0:
@@ -484,13 +475,11 @@ def main(argv=None):
         for split in ("train", "val"):
             pattern = getattr(args, f"{split}_files")
             if pattern != "synthetic" and not glob.glob(pattern):
-                raise t.UserError(f"no {split} shard matches {pattern!r}: `python "
-                                  "data/cached_fineweb10B.py 9` fetches record 18's, or point "
+                hint = t.fetch_hint(args.num_iterations, args.batch_size)
+                raise t.UserError(f"no {split} shard matches {pattern!r}: {hint}, or point "
                                   f"--{split}_files at yours")
+        t.check_launch_environment()
         rank, world, device = t.setup_device()
-        if world > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
-            raise t.UserError("WORLD_SIZE is set, but this process was not started by torchrun: "
-                              "launch with ./run.sh or torchrun")
         return check(t, ours, trainer_argv, args, rank, world, device)
     except t.UserError as e:
         if e.every_rank or int(os.environ.get("LOCAL_RANK", 0)) == 0:
