@@ -106,7 +106,7 @@ def test_muons_update_is_orthogonal(shape):
                                     f"{smallest:.3g} to {largest:.3g}")
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
     cosine = (update * (U @ Vh)).sum() / (update.norm() * (U @ Vh).norm())
-    assert cosine > 0.9, f"Muon's update does not point along the gradient's UV^T: cosine {cosine:.3f}"
+    assert cosine > 0.9, f"Muon's update is not along the gradient's UV^T: cosine {cosine:.3f}"
 
 
 # --- Muon's batched step -----------------------------------------------------------------------
@@ -302,9 +302,9 @@ helpers.exit_as_a_rank(0)
 
 def muon_in_3_and_2_processes(folder):
     """Muon's parameters in worlds of 3 and 2, in folder as 3.pt and 2.pt."""
-    definitions = ["import os", "from pathlib import Path", "import torch", "from train_gpt import Muon",
-                   f"SHAPES = {SHAPES!r}", f"STEPS = {STEPS}", inspect.getsource(gradients),
-                   inspect.getsource(train), MUON_IN_3_AND_2_PROCESSES]
+    definitions = ["import os", "from pathlib import Path", "import torch",
+                   "from train_gpt import Muon", f"SHAPES = {SHAPES!r}", f"STEPS = {STEPS}",
+                   inspect.getsource(gradients), inspect.getsource(train), MUON_IN_3_AND_2_PROCESSES]
     (folder / "rank.py").write_text(with_trainer("\n".join(definitions)))
     launch = torchrun(3, folder / "rank.py", folder)
     result = run_process(launch, 300, env=launch_env(OMP_NUM_THREADS="1"))

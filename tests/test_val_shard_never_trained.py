@@ -1,7 +1,7 @@
-"""The val shard is never trained on: every sequence a real run's model trains on is a stretch of the
-train shards and none of the val shard; whatever its name, a copy or a hard link of the val shard
-among the train shards is refused before anything is written, while a train shard of the same size
-but other tokens is used (shards are compared whole)."""
+"""The val shard is never trained on: every sequence a real run's model trains on is a stretch of
+the train shards and none of the val shard; whatever its name, a copy or a hard link of the val
+shard among the train shards is refused before anything is written, while a train shard of the
+same size but other tokens is used (shards are compared whole)."""
 import glob
 import os
 import shutil
