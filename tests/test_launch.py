@@ -336,9 +336,11 @@ def as_nohup_starts_it():
 
 
 # a fork that says where it ran and with what
+# one write per line: the ranks share stderr, and print's pieces of two lines can interleave
 FORK = """import os, sys
-print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "ran", os.path.basename(__file__),
-      *sys.argv[1:], file=sys.stderr)
+words = ["rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "ran",
+         os.path.basename(__file__), *sys.argv[1:]]
+os.write(2, (" ".join(words) + "\\n").encode())
 """
 
 
