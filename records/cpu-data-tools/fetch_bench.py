@@ -12,6 +12,7 @@ network instead.
 """
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -22,9 +23,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "data" / "cached_fineweb10B.py"
-# the stand-in hub, and the shard format it imports
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "data")]
-import hub_stand_in  # noqa: E402
+# the tests' stand-in hub (in their test_fetch.py, with pytest), and the data tools it imports
+sys.path[:0] = [str(REPO / "data"), str(REPO / "tests")]
+spec = importlib.util.spec_from_file_location("test_fetch", REPO / "tests" / "test_fetch.py")
+hub_stand_in = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hub_stand_in)
 
 
 def main():
