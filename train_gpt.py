@@ -1,19 +1,10 @@
 """NanoGPT speedrun: a GPT-2-small-class model trained on FineWeb to 3.28 validation loss, fast.
 
-What it trains: a 12-layer, 768-wide transformer (275.7M parameters, most in embeddings) on the
-GPT-2 tokens of FineWeb-10B, until the mean cross-entropy on the first 10,485,760 validation tokens
-is at most 3.28.
-
-The record it reproduces: record 18 of the public NanoGPT speedrun (2025-01-04), 3.4 minutes on
-8 H100s: 1,390 steps of 524,288 tokens, final val loss 3.2785, 204.3 s of timed training, 148.1 ms a
-step; over 80 runs the val loss averaged 3.2791 (std 0.0019). Same maths, step for step.
-
-Where it comes from: Keller Jordan's modded-nanogpt, which began as Andrej Karpathy's llm.c GPT-2
-(124M) reproduction in PyTorch (45 minutes), and the people who raced it down since: each idea
-is credited where it is, in record 18's words.
-
-Run: ./run.sh (torchrun, one process per GPU); on a CPU: python train_gpt.py --preset smoke.
-Importing this file runs nothing: tests and tools import its parts.
+Record 18 of the public NanoGPT speedrun (2025-01-04), the same maths step for step: 1,390 steps of
+524,288 tokens in 3.4 minutes on 8 H100s (148.1 ms a step), val loss 3.2785 (80 runs: 3.2791, std
+0.0019). From Keller Jordan's modded-nanogpt, begun as Andrej Karpathy's llm.c GPT-2 (124M) in
+PyTorch, and those who raced it down since, each idea credited where it is, in record 18's words.
+Run: ./run.sh (torchrun); on a CPU: python train_gpt.py --preset smoke. Importing it runs nothing.
 """
 import time
 
@@ -45,9 +36,7 @@ BLOCK_SIZE = 128
 EOT = 50256
 
 def option(default, *rules, fixed=False, graph=False):
-    """A field of Hyperparameters with its facts. rules: named rules (below), checked at start-up.
-    fixed: a resumed run keeps the checkpoint's value. graph: it shapes the compiled graphs, so the
-    compile cache's stamp names it. A plain field (`mlp_ratio: int = 4`) has none of these facts."""
+    """A field of Hyperparameters: its rules; fixed: kept on resume; graph: in compiled graphs."""
     return field(default=default, metadata=dict(rules=rules, fixed=fixed, graph=graph))
 
 # Rules of options: a test of the value (and the other options), and the valid values in words
@@ -97,9 +86,7 @@ HEAD_SIZE = multiple_of("num_heads", 4, "heads of a size divisible by 4 (rotary)
 
 @dataclass
 class Hyperparameters:
-    """Every option of a run; the defaults are record 18's. `--NAME VALUE` overrides any of them.
-    An option is its field alone: option() holds its checks, and what resume and compile need."""
-
+    """Every option of a run; the defaults are record 18's. `--NAME VALUE` overrides any of them."""
     # data: globs of token shards, read in sorted name order ("synthetic": generated, no download)
     train_files: str = option("data/fineweb10B/fineweb_train_*.bin", SHARDS)
     val_files: str = option("data/fineweb10B/fineweb_val_*.bin", SHARDS)
@@ -107,7 +94,6 @@ class Hyperparameters:
     val_tokens: int = option(10_485_760, multiple_of("max_device_batch_size"))
     # read the train stream more than once (never a record)
     allow_data_repeat: bool = option(False)
-
     # batch and schedule: tokens per step, whatever the number of processes
     batch_size: int = option(8 * 64 * 1024, BLOCKS, fixed=True)
     # one packed sequence per forward; a process's longer share is accumulated
@@ -118,7 +104,6 @@ class Hyperparameters:
     # the attention window in tokens at step 0 and at the end: 1 to 14 blocks of 128
     window_start: int = option(128, WINDOW)
     window_end: int = option(1856, WINDOW)
-
     # model: GPT-2's 50,257 tokens padded to a multiple of 128
     vocab_size: int = option(50304, GPT2_VOCAB, fixed=True, graph=True)
     num_layers: int = option(12, U_NET_DEPTH, fixed=True, graph=True)
@@ -127,7 +112,6 @@ class Hyperparameters:
     # none if >= num_layers
     attention_free_layer: int = option(7, AT_LEAST_0, fixed=True, graph=True)
     bf16_embeds: bool = option(True, fixed=True, graph=True)
-
     # optimisers: Adam for the embeddings, the head and the scalars; Muon for the block matrices
     embed_lr: float = option(0.6, LEARNING_RATE)
     head_lr: float = option(0.008, LEARNING_RATE)
@@ -140,31 +124,26 @@ class Hyperparameters:
     muon_momentum_start: float = option(0.85, BELOW_1)
     muon_momentum: float = option(0.95, BELOW_1)
     muon_momentum_warmup_steps: int = option(300, AT_LEAST_0)
-
     # evaluation and logging; val_loss_every 0: only after the last step
     val_loss_every: int = option(125, AT_LEAST_0)
     log_dir: str = option("logs", FOLDER)
     seed: int = option(0, SEED)
-    # after the last step, outside train time: HellaSwag's 10,042 examples (evals/hellaswag.py,
-    # downloaded once), or those of a JSON Lines file in its format
+    # after the last step, untimed: HellaSwag's 10,042 examples (downloaded once) or a JSONL file's
     hellaswag: bool = option(False)
     hellaswag_data: str = option("", FILE)
     # for --hellaswag offline: a tiktoken ranks file of GPT-2's BPE ("": tiktoken's, downloaded)
     tokenizer: str = option("", FILE)
-
     # checkpoints, in log_dir/<run id>/, resumable; a run keeps its last two
     save_checkpoint: bool = option(False)  # at the end
     checkpoint_every: int = option(0, AT_LEAST_0)  # every N steps (0: never)
     resume: str = option("")  # a checkpoint to go on from; its options become the defaults
     # resume a checkpoint another script wrote (a fork, another version), the log says so
     accept_other_script: bool = option(False)
-
     # compile and kernels; auto: on CUDA only (FlexAttention has no CPU backward)
     compile: str = option("auto", AUTO)
     # inductor's coordinate descent: ~0.5% faster steps for ~6 more minutes of compiling
     compile_tuning: bool = option(False, graph=True)
-    # a file: compiled code loaded from it before compiling, saved to it after step 1; it is
-    # replaced then, so a file that is not one of the trainer's caches never is
+    # a file of compiled code: loaded before compiling, saved after step 1 (replacing only a cache)
     compile_cache: str = option("", NOT_A_FOLDER, A_COMPILE_CACHE)
     # each block and the head compiled alone
     regional_compile: bool = option(False, graph=True)
@@ -173,9 +152,8 @@ class Hyperparameters:
     # fused head: logits by chunks of rows (0: all at once)
     head_chunk_rows: int = option(0, AT_LEAST_0, graph=True)
 
-# A small model, a short run on generated documents (no download): every part exercised in under a
-# minute on a 2-core CPU, where a step is mostly the 50,304-wide head: so 12 steps, with 8x the
-# head lr. A step: 2 micro-batches on 1 process (1 to 8 fit); the window grows to the 512 tokens.
+# A small model on generated documents (no download), every part in a minute on a 2-core CPU: 12
+# steps of 2 micro-batches (mostly the 50,304-wide head), 8x the head lr, a window up to 512 tokens.
 PRESETS = {
     "smoke": dict(num_layers=8, num_heads=2, model_dim=64, head_lr=0.064, num_iterations=12,
                   val_loss_every=4, batch_size=1024, max_device_batch_size=512, val_tokens=4096,
@@ -193,16 +171,10 @@ class UserError(Exception):
 # Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan, 2024)
 
 def newton_schulz_wide(X, steps):
-    """Roughly orthogonalise each matrix of a stack of wide (or square) bf16 matrices.
-
-    Normalised, a matrix's singular values lie in [0, 1]. Each step applies the odd quintic
-    p(s) = a s + b s^3 + c s^5 to all of them at once (X -> a X + (b A + c A^2) X, A = X X^T),
-    leaving the singular vectors alone. The coefficients buy few steps, not exactness: a = 3.4445,
-    p's slope at zero, is as steep as the iteration allows, so that small singular values grow
-    fastest; b and c bend p back so that it maps [0, 1] into about [0.7, 1.2] (p(1) = 0.70, peak
-    1.20 at s = 0.55) rather than converging to 1. After five steps each singular value lies
-    somewhere in that band: US'V^T instead of UV^T, which trains as well, and stays stable in bf16.
-    """
+    """Roughly orthogonalise a stack of wide (or square) bf16 matrices: each step maps each singular
+    value s in [0, 1] to p(s) = a s + b s^3 + c s^5 (X -> a X + (b A + c A^2) X, A = X X^T), a as
+    steep as the iteration allows, b and c bending [0, 1] into about [0.7, 1.2] (p(1) = 0.70, peak
+    1.20 at 0.55), not onto 1: five steps give US'V^T for UV^T, which trains as well, in bf16."""
     a, b, c = 3.4445, -4.7750, 2.0315
     # each matrix alone: spectral norm <= Frobenius norm <= 1
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
@@ -213,12 +185,8 @@ def newton_schulz_wide(X, steps):
     return X
 
 class Muon(torch.optim.Optimizer):
-    """SGD with Nesterov momentum, each matrix's update replaced by an orthogonalised one.
-
-    Gradients arrive averaged over ranks (DDP). Matrices are grouped by shape; in a group, rank r of
-    W orthogonalises matrices r, r + W, r + 2W, ... as one stacked bf16 batch (the same function per
-    matrix), and the ranks all-gather the results asynchronously (@YouJiacheng), each group's
-    gather overlapping the next group's iteration."""
+    """SGD with Nesterov momentum, updates orthogonalised: rank r of W does a group's matrices r,
+    r + W, ... as one bf16 batch, all-gathered asynchronously (@YouJiacheng) during the next."""
     def __init__(self, params, lr, momentum, nesterov=True, ns_steps=5, compiled=False):
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -233,9 +201,8 @@ class Muon(torch.optim.Optimizer):
         self.iterate = newton_schulz_wide
         if compiled:
             self.iterate = torch.compile(newton_schulz_wide, dynamic=False)
-        # Per group, made once, outside the optimiser state: this rank's stacked input, zero-padded
-        # to equal shares (zero orthogonalises to zero), and the gather buffer, whose rows
-        # [r * share, (r + 1) * share) are rank r's.
+        # per group, outside the optimiser state: this rank's stacked input, zero-padded to equal
+        # shares (zero orthogonalises to zero), and the gather buffer (rank r's share is its r-th)
         shares = [math.ceil(len(g["params"]) / self.world_size) for g in groups]
         self.stacked = [params[0].new_zeros(n, *shape, dtype=torch.bfloat16)
                         for n, shape in zip(shares, shapes)]
@@ -480,9 +447,8 @@ class GPT(nn.Module):
                    fused_head_loss=fused_head_loss, head_chunk_rows=args.head_chunk_rows)
 
     def forward(self, inputs, targets, sliding_window_num_blocks, cache=None):
-        """inputs: one packed sequence of token ids (a micro-batch's documents, each led by EOT);
-        returns the mean loss of predicting targets or, targets None, the softcapped fp32 logits.
-        With a KVCache: inputs (batch, T) go on from its sequences; the logits of their last."""
+        """inputs: one packed sequence of EOT-led documents: the mean loss on targets, or (targets
+        None) the softcapped fp32 logits; with a KVCache, (batch, T) after it: the last logits."""
         assert inputs.ndim == 1 or cache is not None, "one packed sequence per device"
         create_block_mask = build_block_mask if inputs.is_cuda else build_dense_mask
         if cache is not None:
@@ -524,8 +490,7 @@ class GPT(nn.Module):
     def head_loss(self, x, targets):
         if self.fused_head_loss:
             # the same maths, the softcap, loss and gradient in one kernel (below the fence)
-            return fused_head_loss(x, self.lm_head.weight, targets, self.head_chunk_rows,
-                                   self.softcap)
+            return fused_head_loss(x, self.lm_head.weight, targets, self.head_chunk_rows, self.softcap)
         return F.cross_entropy(self.logits(x).float(), targets)
 
 class KVCache:
@@ -553,10 +518,8 @@ class KVCache:
 # Attention masks: causal, within one document, inside a sliding window of whole 128-token blocks
 
 def may_attend(q_idx, kv_idx, docs, sliding_window_num_blocks=None):
-    """The definition of the mask: query q_idx may attend to key kv_idx exactly when kv_idx <= q_idx,
-    both lie in the same document (docs: each token's), and kv_idx's block is fewer than
-    sliding_window_num_blocks blocks before q_idx's (no window when None: where the block lists
-    hold it). Both masks below apply it."""
+    """The mask both below apply: kv_idx <= q_idx, both in one document (docs: each token's), and
+    kv_idx's block fewer than sliding_window_num_blocks before q_idx's (None: the lists' job)."""
     causal_mask = q_idx >= kv_idx
     document_mask = docs[q_idx] == docs[kv_idx]
     attend = causal_mask & document_mask
@@ -575,21 +538,17 @@ def build_dense_mask(inputs, sliding_window_num_blocks, start=0):
     return attend(pos[start:, None], pos[None, :], docs, sliding_window_num_blocks)
 
 def dense_to_ordered(docs_low, docs_high, sliding_window_num_blocks):
-    """For each query block (a row), the counts and lists of its partial and full key blocks, from
-    the first and last document id of every block (nondecreasing). A full block needs no per-token
-    test: it lies before the query block, and both lie wholly in one document. A partial block needs
-    the test. Record 18 orders a dense block matrix with a sort; none is needed, since documents are
-    contiguous and the window is a band: row q's partial blocks are one run [start, q], or, when
-    block q lies in one document, the run [start, full_start) and q itself; its full blocks are
-    the run [full_start, q). Lists are padded with q.
-
-    Five blocks, a window of 3 blocks; block 3 holds the end of document 1 and the start of 2:
+    """Each query block q's counts and lists of partial and full key blocks (lists padded with q),
+    from each block's first and last document id (nondecreasing). A full block (before q, both in
+    one document) needs no per-token test. Contiguous documents and a banded window need no sort
+    (record 18's): the partial blocks are [start, q], or [start, full_start) and q when q lies in
+    one document; the full ones [full_start, q). A window of 3 blocks, block 3 ending document 1:
         block                    0     1     2     3     4
         (docs_low, docs_high)  (1,1) (1,1) (1,1) (1,2) (2,2)
         row 2: full [0, 1], partial [2]         all document 1; only the diagonal needs the test
         row 3: full [],     partial [1, 2, 3]   the window starts at 1; block 3 holds two documents
         row 4: full [],     partial [3, 4]      document 2 begins inside block 3
-"""
+    """
     q = torch.arange(len(docs_low), device=docs_low.device)[:, None]
     # the first block that reaches q's first document, and is inside the window
     reaches_document = torch.searchsorted(docs_high, docs_low)[:, None]
@@ -608,18 +567,15 @@ def dense_to_ordered(docs_low, docs_high, sliding_window_num_blocks):
     return [t.to(torch.int32)[None, None].contiguous() for t in lists]
 
 def build_block_mask(inputs, sliding_window_num_blocks):
-    """FlexAttention's BlockMask for the dense mask above (use of FlexAttention contributed by
-    @KoszarskyB; block-wise sliding window by @YouJiacheng), built from block-level facts, without
-    a sort: compiled, a sort can take minutes to build. Built in a compiled region, its mask_mod is
-    record 18's, without the window; outside one, the whole mask, as eager flex_attention needs."""
+    """FlexAttention's BlockMask for the mask above, without a sort (compiled, minutes): use of
+    FlexAttention contributed by @KoszarskyB; block-wise sliding window by @YouJiacheng."""
     docs = (inputs == EOT).cumsum(0)
     docs_low = docs[0::BLOCK_SIZE].contiguous()
     docs_high = docs[BLOCK_SIZE - 1::BLOCK_SIZE].contiguous()
     total_num_blocks = len(docs_low)
     kv_lists = dense_to_ordered(docs_low, docs_high, sliding_window_num_blocks)
-    # The query-side lists (for the backward pass) are the rows of the mirror image: blocks reversed
-    # and document ids negated, so that its row r is our column total_num_blocks - 1 - r. They are
-    # given to the constructor, because from_kv_blocks would compute them with a sort.
+    # the query-side lists (for the backward), given as from_kv_blocks would sort: the rows of
+    # the mirror image (blocks reversed, ids negated), its row r our column total_num_blocks - 1 - r
     q_num_blocks, q_indices, full_q_num_blocks, full_q_indices = dense_to_ordered(
         -docs_high.flip(0), -docs_low.flip(0), sliding_window_num_blocks)
     q_lists = [q_num_blocks.flip(-1), total_num_blocks - 1 - q_indices.flip(-2),
@@ -651,9 +607,8 @@ def load_data_shard(path):
     return tokens
 
 class DistributedDataLoader:
-    """All ranks walk one global token stream: of each batch, rank r takes the r-th share (and one
-    more token, the last target). Shards are read in sorted name order, wrapping around, each by
-    read_shard (the trainer's checks its token ids)."""
+    """All ranks walk one token stream: rank r takes each batch's r-th share (and one more token,
+    the last target), from shards in sorted name order, wrapping around, each read by read_shard."""
     def __init__(self, filename_pattern, rank, world_size, device, read_shard=load_data_shard):
         self.rank = rank
         self.world_size = world_size
@@ -664,8 +619,7 @@ class DistributedDataLoader:
         self.reset()
 
     def reset(self, shard=0, position=0):
-        """Go to a position in a shard, the start of the first by default. Evaluation comes back to
-        shard 0 each time: the shard in memory is not read again."""
+        """Go to a position in a shard (the first's start); a shard in memory is not read again."""
         if shard != self.current_shard:
             self.tokens = self.read_shard(self.files[shard])
         self.current_shard = shard
@@ -675,8 +629,7 @@ class DistributedDataLoader:
         self.reset((self.current_shard + 1) % len(self.files))
 
     def next_batch(self, batch_size):
-        """This rank's share of the next batch: inputs (int32), targets (int64, shifted by one).
-        (The trainer checks at start-up that every shard holds a batch.)"""
+        """This rank's share of the next batch: inputs (int32), targets (int64, shifted by one)."""
         device_batch_size = batch_size // self.world_size
         # load next shard if necessary
         if self.current_position + batch_size + 1 >= len(self.tokens):
@@ -693,8 +646,7 @@ class DistributedDataLoader:
 # Schedules, optimisers and evaluation
 
 def get_lr(step, args):
-    """Learning rate schedule: stable then decay: 1 at first, then over the last cooldown_frac of
-    the steps a linear cooldown to 0."""
+    """Learning rate schedule: stable then decay (linear to 0 over the last cooldown_frac)."""
     # time remaining in training
     t = 1 - step / args.num_iterations
     if t >= args.cooldown_frac:
@@ -760,8 +712,7 @@ def micro_batch_plan(args, world_size):
     return micro_bs, device_batch_size // micro_bs, world_size * args.max_device_batch_size
 
 def build_model(args, run):
-    """The model (seeded), its optimisers, and the module that trains: compiled with static shapes
-    as in record 18 (one graph per shape, none per step), and in DDP with several processes."""
+    """The model (seeded), its optimisers, and the module that trains (compiled; DDP if several)."""
     torch.manual_seed(args.seed)
     model = GPT.from_args(args, run.device).to(run.device)
     # the fused head only where it computes what GPT.head_loss does (a fork may change that)
@@ -782,8 +733,7 @@ def build_model(args, run):
 UNTIMED_STEPS = 10
 
 def train(args, checkpoint=None, stop=None):
-    """One run: its set-up, then at each step validation and checkpoints, training, logging. `run`
-    keeps it safe (below the fence): checks, data, log and clock, the agreed stop, checkpoints."""
+    """One run: at each step validation and checkpoints, training, logging; `run` keeps it safe."""
     with Run(args, checkpoint, stop) as run:
         train_loader, val_loader = run.train_loader, run.val_loader
         micro_bs, accum_steps, val_batch_size = micro_batch_plan(args, run.world_size)
@@ -797,19 +747,19 @@ def train(args, checkpoint=None, stop=None):
             sliding_window_num_blocks.fill_(get_sliding_window_blocks(step, args))
 
             # --------------- VALIDATION SECTION (and checkpoints: not train time) -----------------
-            due = run.due(step)
-            if due.checkpoint or due.validation:
+            checkpoint_due, validation_due, run_ends = run.due(step)
+            if checkpoint_due or validation_due:
                 run.clock.pause()
-                if due.checkpoint:
+                if checkpoint_due:
                     run.save_checkpoint(step)
-                if due.validation:
+                if validation_due:
                     val_loss = evaluate(ddp_model, val_loader, args, val_batch_size,
                                         sliding_window_num_blocks)
                     run.log_val_loss(step, val_loss)
                 run.clock.resume()
             # the last step only has the validation loop, so break to avoid training; a stop ends
             # after its checkpoint
-            if due.end:
+            if run_ends:
                 break
 
             # --------------- TRAINING SECTION -----------------
@@ -848,13 +798,10 @@ def train(args, checkpoint=None, stop=None):
 
 # ==================================================================================================
 # Above: the speedrun; a change to its model, optimiser or schedule needs nothing below the fence.
-# Below: the fused-head kernels, the default GPU path in place of GPT.head_loss where a start-up
-# check finds they compute it; then checks, device set-up, data, run log, compile cache,
-# checkpoints and stopping, the Run that train() reaches them through, arguments, main.
+# Below: operations, which train() reaches through Run, and the fused head's kernels.
 # ==================================================================================================
 
 import argparse
-import collections
 import ctypes
 import datetime
 import filecmp
@@ -885,10 +832,9 @@ try:
 except ImportError:
     triton = None
 
-# --------------------------------------------------------------------------------------------------
-# Fused head (--fused_head_loss): z = x W^T by cuBLAS, then a Triton kernel reads each row of z once
-# for c = s tanh(z / s) and the loss logsumexp(c) - c[target]; in training it overwrites z with
-# d(mean loss)/dz. s is GPT.softcap (15 as in record 18), a constant of the compiled kernel.
+# ------------------------------------------------------------------- Fused head (--fused_head_loss)
+# z = x W^T by cuBLAS; a Triton kernel reads each row of z once for c = s tanh(z / s) and the loss
+# logsumexp(c) - c[target], and in training overwrites z with d(mean loss)/dz (s: GPT.softcap).
 
 if triton is not None:
     @triton.jit
@@ -942,8 +888,7 @@ HEAD_LAUNCH_CUDA = dict(ROWS=1, COLS=4096, num_warps=16, TANH_APPROX=True)
 HEAD_LAUNCH_CPU = dict(ROWS=128, COLS=8192, TANH_APPROX=False)
 
 def softcapped_cross_entropy_(logits, targets, grad_scale=None, softcap=GPT.softcap):
-    """Per-row losses of softcap tanh(z / softcap); with grad_scale, z is overwritten with
-    grad_scale * d(sum of losses)/dz. On a CPU it runs in Triton's interpreter."""
+    """Per-row losses of softcap tanh(z / softcap); with grad_scale, z becomes that * d(sum)/dz."""
     assert logits.is_contiguous() and targets.dtype == torch.int64
     kernel = softcapped_cross_entropy_kernel
     launch = HEAD_LAUNCH_CUDA
@@ -994,7 +939,6 @@ class ChunkedHeadLoss(torch.autograd.Function):
             grad_logits = matmul(xs, w.T)
             loss += softcapped_cross_entropy_(grad_logits, ts, 1 / len(x), softcap).sum()
             gs.copy_(matmul(grad_logits, w))
-            # fp32 products and sums, never bf16
             grad_w += matmul(grad_logits.T, xs, out_dtype=torch.float32)
         ctx.save_for_backward(grad_x, grad_w)
         return loss / len(x)
@@ -1030,8 +974,7 @@ def fused_head_on(option, device):
 KERNEL_SOFTCAP_LIMIT = 43
 
 def head_matches_kernel(model):
-    """Whether the kernel computes the model's head: a numeric GPT.softcap up to the limit, and
-    GPT.logits and GPT.head_loss equal to its maths on logits z from -4 to 4 softcaps."""
+    """Whether GPT.logits and GPT.head_loss are the kernel's maths (on z from -4 to 4 softcaps)."""
     softcap = model.softcap
     if not isinstance(softcap, (int, float)) or not 0 < softcap <= KERNEL_SOFTCAP_LIMIT:
         return False
@@ -1063,12 +1006,10 @@ def check_fused_head(model, option, log):
     model.fused_head_loss = False
     log(f"fused head loss off: {reason}; the plain head computes it")
 
-# --------------------------------------------------------------------------------------------------
-# Checks: the launch, the options, the device
+# ------------------------------------------------------ Checks: the launch, the options, the device
 
-# What torchrun sets for each process it starts. Left over in a shell (some, or the seven a script
-# exported), they make a process a rank of no run: RANK=1 trains with no log and wrong Muon updates;
-# WORLD_SIZE=2 waits for a second process that never comes.
+# What torchrun sets for each process; left in a shell, they make a process a rank of no run:
+# RANK=1 trains with no log and wrong Muon updates; WORLD_SIZE=2 waits for a process never coming.
 TORCHRUN_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "GROUP_WORLD_SIZE",
                       "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
@@ -1115,12 +1056,11 @@ def setup_device():
     if not torch.cuda.is_available():
         gpus = nvidia_smi_gpus() if os.environ.get("CUDA_VISIBLE_DEVICES") != "" else None
         if gpus:
-            raise UserError(
-                f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only) cannot use "
-                f"the {len(gpus)} x {gpus[0][0]} nvidia-smi lists (driver {gpus[0][1]}): install a "
-                "build for this driver, e.g. `pip install torch==2.13.0 --index-url "
-                "https://download.pytorch.org/whl/cu126`, or update the driver; "
-                'CUDA_VISIBLE_DEVICES="" runs on the CPU on purpose')
+            raise UserError(f"torch {torch.__version__} (CUDA {torch.version.cuda}; None: CPU only) "
+                            f"cannot use the {len(gpus)} x {gpus[0][0]} nvidia-smi lists (driver "
+                            f"{gpus[0][1]}): install a build for this driver, e.g. `pip install "
+                            "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126`, or "
+                            'update the driver; CUDA_VISIBLE_DEVICES="" runs on the CPU on purpose')
         return rank, world_size, torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     visible = torch.cuda.device_count()
@@ -1130,30 +1070,22 @@ def setup_device():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     # bf16 matrix units arrived with Ampere
     if torch.cuda.get_device_capability(device) < (8, 0):
-        raise UserError(f"{torch.cuda.get_device_name(device)} has no bf16 support, which this "
-                        "model computes in: it needs an Ampere or newer GPU (A100, A10, L4, L40S, "
-                        "RTX 30xx or later, H100)")
+        raise UserError(f"{torch.cuda.get_device_name(device)} has no bf16 support, which this model "
+                        "computes in: use an Ampere or newer GPU (A100, A10, L4, RTX 30xx, H100)")
     torch.cuda.set_device(device)
     return rank, world_size, device
 
-# how long a collective waits for the other processes: a process that stops answering (frozen, or
-# its node off the network) ends the run with a line on the others, not half an hour of silence
+# a process that stops answering (frozen, off the network) ends the run with a line, not silence
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-
-def timed_out(error, world_size):
-    """Whether an error is a collective's timeout: another process of the run stopped answering."""
-    return (world_size > 1 and isinstance(error, RuntimeError)
-            and re.search("timed out|timeout", str(error), re.IGNORECASE) is not None)
 
 def start_process_group(device):
     # torch 2.13 deprecates two calls whose replacements 2.11 lacks: DDP's broadcast_buffers (off
     # for the rotary tables, equal on every rank) and Muon's all_gather_into_tensor
     for call in ("broadcast_buffers", "torch.distributed.all_gather_into_tensor"):
         warnings.filterwarnings("ignore", f"`{call}` is deprecated", FutureWarning)
-    if device.type == "cuda":
-        dist.init_process_group(backend="nccl", device_id=device, timeout=COLLECTIVE_TIMEOUT)
-    else:
-        dist.init_process_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    nccl = device.type == "cuda"
+    dist.init_process_group(backend="nccl" if nccl else "gloo", device_id=device if nccl else None,
+                            timeout=COLLECTIVE_TIMEOUT)
 
 def check_batch_plan(args, world_size):
     """The global batch must divide among the processes, and each share into micro-batches."""
@@ -1173,9 +1105,8 @@ def check_batch_plan(args, world_size):
                         f"--max_device_batch_size = {val_batch}")
 
 def keep_freed_memory():
-    """On a CPU, with glibc: freed memory kept for the next allocation, not returned to the system.
-    A step's logits (100+ MB) are otherwise mapped, faulted in and unmapped afresh each time: half
-    of a smoke run's time (40 s instead of 20, measured). Elsewhere (macOS), nothing changes."""
+    """On a CPU with glibc, freed memory kept for the next allocation: a step's logits (100+ MB)
+    are otherwise mapped, faulted in and unmapped afresh, half a smoke run's time (40 s, not 20)."""
     with contextlib.suppress(OSError, AttributeError):
         # M_TRIM_THRESHOLD: keep up to 1 GiB of freed memory; M_MMAP_MAX: no block mapped alone
         ctypes.CDLL(None).mallopt(-1, 2 ** 30)
@@ -1200,8 +1131,7 @@ def out_of_memory_as_error(micro_batch):
                         f"--max_device_batch_size {micro_batch // 2} (half usually fits; the "
                         "global batch and the maths stay the same)", every_rank=True) from None
 
-# --------------------------------------------------------------------------------------------------
-# Data budget: the shards a run reads, whether they suffice, the smoke data
+# ------------------------ Data budget: the shards a run reads, whether they suffice, the smoke data
 
 # a shard: a header of 256 little-endian int32 (magic, version, token count), then uint16 tokens
 SHARD_MAGIC = 20240520
@@ -1217,17 +1147,14 @@ def read_shard_header(path):
         if not os.path.isfile(path):
             raise IsADirectoryError(0, "a folder, a pipe or a device, not a token shard")
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+            # a file shorter than a header reads as zeros: not a shard
+            header = np.frombuffer(f.read(HEADER_BYTES).ljust(HEADER_BYTES, b"\0"), dtype="<i4")
     except OSError as e:
         raise UserError(f"{path}: cannot read this shard ({e.strerror}): narrow --train_files or "
                         "--val_files to readable shards") from None
-    if len(header) < 256:
-        raise UserError(f"{path}: truncated shard ({size} bytes, under the 1024-byte header); "
-                        f"{REFETCH_HINT}")
-    if header[0] != SHARD_MAGIC:
-        raise UserError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
-    if header[1] != SHARD_VERSION:
-        raise UserError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+    if (header[0], header[1]) != (SHARD_MAGIC, SHARD_VERSION):
+        raise UserError(f"{path}: not a token shard (magic {header[0]}, version {header[1]}; "
+                        f"expected {SHARD_MAGIC}, {SHARD_VERSION}); {REFETCH_HINT}")
     num_tokens = int(header[2])
     if size != HEADER_BYTES + 2 * num_tokens:
         raise UserError(f"{path}: header says {num_tokens} tokens ({HEADER_BYTES + 2 * num_tokens} "
@@ -1248,9 +1175,8 @@ def read_checked_shard(path, vocab_size):
     if len(ids) > 0 and ids.max() >= vocab_size:
         at = int(np.argmax(ids >= vocab_size))
         raise UserError(f"{path}: token id {ids[at]} at position {at:,} is not below --vocab_size "
-                        f"{vocab_size}: shards made with another tokenizer (pass its "
-                        "--vocab_size), or a corrupt file (FineWeb: "
-                        "`python data/cached_fineweb10B.py N --verify` replaces it)")
+                        f"{vocab_size}: another tokenizer's shards (pass its --vocab_size), or a "
+                        "corrupt file (FineWeb: `python data/cached_fineweb10B.py N --verify`)")
     return tokens
 
 def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
@@ -1272,8 +1198,7 @@ def markov_stream(num_tokens, seed, chain_seed=1234, vocab=256, successors=4):
     return tokens
 
 def prepare_shards(args, split, num_tokens):
-    """The glob of a split's shards; for "synthetic", one chain's stream, written by each rank: the
-    train documents drawn by the seed, the val ones the same for every seed."""
+    """A split's glob; "synthetic": a stream each rank writes (train's drawn by the seed)."""
     pattern = getattr(args, f"{split}_files")
     if pattern != "synthetic":
         return pattern
@@ -1302,20 +1227,14 @@ def batches_before_wrap(files, sizes, batch_size):
     return sum((sizes[path] - 2) // batch_size for path in files)
 
 def check_data(args, train_files, val_files, sizes, val_batch, hint):
-    """No val shard among the train shards (a link or a copy neither), and tokens enough for the
-    run (without reading one twice, unless allowed); returns the passes over the train shards."""
-    in_both = {os.path.realpath(p) for p in train_files} & {os.path.realpath(p) for p in val_files}
-    if in_both:
-        raise UserError(f"{min(in_both)} is matched by both --train_files and --val_files: a run "
-                        "must never train on its validation data; narrow one of the globs")
-    # under another name too (a hard link: one file; a copy: shards of the same size, compared)
+    """No val shard among the train shards (nor a link or copy), and tokens enough: the passes."""
+    # by its own name, another (a link: one file) or as a copy (shards of the same size, compared)
     for val_path, train_path in itertools.product(val_files, train_files):
         if sizes[train_path] == sizes[val_path] and (
                 os.path.samefile(train_path, val_path)
                 or filecmp.cmp(train_path, val_path, shallow=False)):
-            raise UserError(f"{train_path} holds the same tokens as the val shard {val_path} "
-                            "(a copy or a link): a run must never train on its validation data; "
-                            "take it out of the train shards or narrow --train_files")
+            raise UserError(f"{train_path} is the val shard {val_path}, a link or a copy of it: a "
+                            "run must never train on its validation data; narrow --train_files")
     train_batches = batches_before_wrap(train_files, sizes, args.batch_size)
     passes = args.num_iterations / train_batches
     fewer_steps = "" if args.resume else ", lower --num_iterations"
@@ -1334,8 +1253,7 @@ def check_data(args, train_files, val_files, sizes, val_batch, hint):
     return passes
 
 def data_loaders(args, rank, world_size, device):
-    """The loaders, every header checked now (a bad shard fails at start-up, not hours in), ids as
-    each shard is read (the val shards' now); the token counts by path, the passes over train."""
+    """The loaders, headers checked now, ids as each shard is read (val's now); sizes, passes."""
     hint = fetch_hint(args.num_iterations, args.batch_size)
     read_shard = functools.partial(read_checked_shard, vocab_size=args.vocab_size)
     loaders = []
@@ -1355,12 +1273,10 @@ def data_loaders(args, rank, world_size, device):
     passes = check_data(args, *(loader.files for loader in loaders), sizes, val_batch, hint)
     return *loaders, sizes, passes
 
-# --------------------------------------------------------------------------------------------------
-# Run log: rank 0's logs/<run id>.txt (this file's source, the set-up), train time, step lines
+# ----- Run log: rank 0's logs/<run id>.txt (this file's source, the set-up), train time, step lines
 
 def to_console(line, stream=None):
-    """Print a line on stdout (or the stream given). A console gone away (a closed pipe) never ends
-    the run: the stream writes to os.devnull from then on, and no later print fails (any code's)."""
+    """Print a line on stdout (or stream); a console gone (a closed pipe) becomes os.devnull."""
     stream = stream or sys.stdout
     try:
         print(line, file=stream, flush=True)
@@ -1369,8 +1285,7 @@ def to_console(line, stream=None):
             os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 def last_words(line, console=True, code=1):
-    """A process's last line: on stderr, and with its exit code in the file torchrun gives it, for
-    torchrun's report of the first that failed."""
+    """A process's last line, on stderr and with its exit code in torchrun's error file."""
     if console:
         to_console(line, sys.stderr)
     message = dict(message=line, extraInfo=dict(timestamp=str(int(time.time())), exit_code=code))
@@ -1383,10 +1298,7 @@ def make_writable_folder(folder, option):
         os.makedirs(folder, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        # makedirs says "File exists" of a file where the folder would be
-        in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
-        reason = "a file stands in its path" if in_the_way else e.strerror
-        raise UserError(f"{option}: cannot make or write to {folder} ({reason}): pick another") from None
+        raise UserError(f"{option}: cannot make or write to {folder} ({e.strerror}): pick another") from None
 
 @contextlib.contextmanager
 def atomic_write(path):
@@ -1401,8 +1313,7 @@ def atomic_write(path):
         raise
 
 class RunLog(contextlib.AbstractContextManager):
-    """Rank 0 writes the log (the other ranks' calls do nothing). A line that cannot be written (a
-    full disk) ends the run with one line: where the last checkpoint is (resume_hint)."""
+    """Rank 0's log (other ranks' calls do nothing); a failed write (a full disk) ends the run."""
     def __init__(self, args, master, hellaswag=None):
         self.file = None
         self.run_id = str(uuid.uuid4())
@@ -1416,8 +1327,7 @@ class RunLog(contextlib.AbstractContextManager):
             self.path = os.path.join(args.log_dir, f"{self.run_id}.txt")
             self.file = open(self.path, "w")
             to_console(f"logging to {self.path}")
-            scorer_source = hellaswag.source if hellaswag else ""
-            self(f"{Path(__file__).read_text()}{scorer_source}\n{'=' * 100}", console=False)
+            self(f"{SOURCE.decode()}{hellaswag.source if hellaswag else ''}\n{'=' * 100}", console=False)
             self.resume_hint = "; no checkpoint was written"
 
     def __call__(self, line, console=True):
@@ -1440,12 +1350,11 @@ class RunLog(contextlib.AbstractContextManager):
             self.file = None
 
     def __exit__(self, kind, error, trace):
-        # main() prints a UserError and a stop's line; Python prints any other error's traceback,
-        # here kept in the log
+        # main() prints a UserError and a stop's line, Python other errors' tracebacks: all logged
         if isinstance(error, UserError):
             self(f"error: {error}", console=False)
         elif isinstance(error, Stopped):
-            self(stopped_before_steps(error.signum, self.args), console=False)
+            self(stopped_before_steps(error.args[0], self.args), console=False)
         elif isinstance(error, Exception):
             self("".join(traceback.format_exception(error)).rstrip(), console=False)
         self.close()
@@ -1475,8 +1384,7 @@ class RunLog(contextlib.AbstractContextManager):
         self("=" * 100, console=False)
 
 class TrainClock:
-    """Train time, as the record measures it: paused (waiting for the device) around validation and
-    checkpoints, restarted at the first timed step; a resumed run goes on from its checkpoint's."""
+    """Train time as the record measures it, paused around validation and checkpoints; resumable."""
     def __init__(self, device, start, resumed_ms=0.0, resumed_steps=0):
         self.device = device
         self.resumed_ms = resumed_ms
@@ -1490,10 +1398,9 @@ class TrainClock:
         self.resume()
 
     def pause(self):
-        if self.t0 is not None:
-            synchronize(self.device)
-            self.ms += 1000 * (time.perf_counter() - self.t0)
-            self.t0 = None
+        synchronize(self.device)
+        self.ms += 1000 * (time.perf_counter() - self.t0)
+        self.t0 = None
 
     def resume(self):
         synchronize(self.device)
@@ -1508,20 +1415,13 @@ class TrainClock:
         return self.resumed_steps + max(step - self.timed_from, 0)
 
     def step_avg(self, step, train_time_ms):
-        timed_steps = self.timed_steps(step)
-        return train_time_ms / timed_steps if timed_steps > 0 else float("nan")
+        return train_time_ms / self.timed_steps(step) if self.timed_steps(step) else math.nan
 
-# --------------------------------------------------------------------------------------------------
-# Compile options (build_model's regional compile) and the compile cache
-
-# graphs of one function that dynamo keeps with --regional_compile: 4 times the 8 it traces
-REGIONAL_RECOMPILE_LIMIT = 32
+# --------------------------- Compile options (build_model's regional compile) and the compile cache
 
 def compile_regions(model):
-    """Each block and the head compiled alone: 4 block forms by training and evaluation each, the 8
-    graphs dynamo keeps of a function; past them a block would run uncompiled, so: an error."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               REGIONAL_RECOMPILE_LIMIT)
+    """Each block and the head compiled alone; past 32 graphs (a block has 8): an error."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for block in model.blocks:
         block.compile(dynamic=False)
@@ -1532,8 +1432,7 @@ def compile_regions(model):
 COMPILE_CACHE_HEADER = "train_gpt compile cache: "
 
 def compile_cache_stamp(args, world_size, device):
-    """What compiled code depends on (a cache with another stamp is not used): the versions, the
-    device, the process count (DDP's buckets, Muon's shares), the micro-batch, the graph options."""
+    """What compiled code depends on: versions, device, processes, micro-batch, graph options."""
     triton_version = getattr(triton, "__version__", None)
     # a CPU's kernels are built for its vector instructions: an AVX-512 cache under AVX2 gave NaN
     gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -1546,8 +1445,7 @@ def compile_cache_stamp(args, world_size, device):
 
 def is_compile_cache(path):
     """Whether a file begins as this trainer's compile caches do: only such a file is replaced."""
-    # a pipe would never end
-    if not os.path.isfile(path):
+    if not os.path.isfile(path):  # a pipe would never end
         return False
     with contextlib.suppress(OSError), open(path, "rb") as f:
         header = re.escape(COMPILE_CACHE_HEADER.encode()) + rb".* sha256=[0-9a-f]{64}\n"
@@ -1566,13 +1464,11 @@ def load_compile_cache(path, stamp, compiled=True):
     try:
         header, _, artifacts = Path(path).read_bytes().partition(b"\n")
         made_by, _, digest = header.decode(errors="replace").rpartition(" sha256=")
-        # only what differs, item by item
-        theirs = made_by.removeprefix(COMPILE_CACHE_HEADER).split(", ")
-        ours = stamp.removeprefix(COMPILE_CACHE_HEADER).split(", ")
         if made_by != stamp:
-            made_for = ", ".join(item for item in theirs if item not in ours)[:300]
-            this_run = ", ".join(item for item in ours if item not in theirs)
-            return f"rejected: made for {made_for}; this run is {this_run}; {replaced}"
+            ours = stamp.removeprefix(COMPILE_CACHE_HEADER).split(", ")
+            theirs = made_by.removeprefix(COMPILE_CACHE_HEADER).split(", ")
+            made_for = ", ".join(item for item in theirs if item not in ours)
+            return f"rejected: made for {made_for[:300]}; {replaced}"
         if hashlib.sha256(artifacts).hexdigest() != digest or (
                 torch.compiler.load_cache_artifacts(artifacts) is None):
             return f"rejected: corrupt or unreadable; {replaced}"
@@ -1589,30 +1485,24 @@ def save_compile_cache(path, stamp):
     try:
         with atomic_write(path) as tmp:
             Path(tmp).write_bytes(header.encode() + artifacts)
-    # a full disk, say
     except OSError as e:
         return f"not saved: {e}"
     return f"saved ({len(artifacts) / 2 ** 20:.1f} MiB)"
 
 def startup_report(args, compiled, stamp, master, step):
-    """From launch to the end of the first step: the time, the compile time and the cache hits."""
+    """From launch to the end of the first step: the time, the compile time and its cache hits."""
     line = f"startup: {time.time() - LAUNCH_TIME:.1f}s from launch to the end of step {step}"
     if compiled:
-        # compile time and the caches' own hit counts, from torch._dynamo
         time_spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)()
         fx = torch._dynamo.utils.counters["inductor"]
-        aot = torch._dynamo.utils.counters["aot_autograd"]
-        line += (f", {time_spent.get('total_wall_time', math.nan):.1f}s of it compiling (cache "
-                 f"hits/misses: FX graph {fx['fxgraph_cache_hit']}/{fx['fxgraph_cache_miss']}, "
-                 f"AOT {aot['autograd_cache_hit']}/{aot['autograd_cache_miss']})")
+        line += (f", {time_spent.get('total_wall_time', math.nan):.1f}s of it compiling (FX graph "
+                 f"cache hits/misses: {fx['fxgraph_cache_hit']}/{fx['fxgraph_cache_miss']})")
         if master and args.compile_cache:
             line += f"; compile cache {save_compile_cache(args.compile_cache, stamp)}"
     return line
 
-# --------------------------------------------------------------------------------------------------
-# Checkpoints and stopping; HellaSwag after the last step (--hellaswag)
+# ---------------------------- Checkpoints and stopping; HellaSwag after the last step (--hellaswag)
 
-# steps between exchanges of the stop flag among processes
 STOP_CHECK_EVERY = 5
 # this file, read once: checkpoints carry it (evals/ build their model from it), and its path
 SOURCE = Path(__file__).read_bytes()
@@ -1620,11 +1510,7 @@ SOURCE_SHA256 = hashlib.sha256(SOURCE).hexdigest()
 SCRIPT = os.path.realpath(__file__)
 
 class Stopped(BaseException):
-    """A stop signal with nothing to save (before the first step ends, after the last), raised at
-    once, whatever the process does (compiling, say); not an Exception: nothing catches it."""
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    """A stop signal with nothing to save (args: its number), raised at once (compiling, say)."""
 
 def stopped_before_steps(signum, args):
     """The last line of a run stopped before its first step ended."""
@@ -1632,9 +1518,7 @@ def stopped_before_steps(signum, args):
     return f"stopped by {signal.Signals(signum).name} before the first step ended: nothing to save{kept}"
 
 class CleanStop(contextlib.AbstractContextManager):
-    """SIGTERM, SIGINT, and SIGHUP unless ignored (nohup). With nothing to save (at_once), a signal
-    raises Stopped; while steps run, it sets a flag that the ranks all-reduce on a CPU group every
-    STOP_CHECK_EVERY steps, read at the next exchange: no device sync, all stop after one step."""
+    """SIGTERM, SIGINT, SIGHUP unless nohup: at_once, Stopped; else a flag the ranks all-reduce."""
     def __init__(self):
         self.received = 0
         self.at_once = True
@@ -1649,11 +1533,6 @@ class CleanStop(contextlib.AbstractContextManager):
         self.received = self.received or signum
         if self.at_once:
             raise Stopped(signum)
-
-    def agree_on(self, world_size):
-        """The CPU group on which the ranks agree, made by every rank."""
-        if world_size > 1:
-            self.group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
     def __exit__(self, kind, error, traceback):
         self.at_once = False
@@ -1700,8 +1579,7 @@ def train_shards(args, files=None, sizes=None):
     return [f"{os.path.basename(path)}:{n}" for path, n in zip(files, counts)]
 
 def load_checkpoint(argv, path):
-    """A checkpoint read as data (nothing in it runs) and its options, the command line's over them
-    where allowed; written by this script, unless --accept_other_script."""
+    """A checkpoint read as data (nothing in it runs), and its options under the command line's."""
     where = f"--resume {path!r}"
     try:
         # a pipe would never end
@@ -1719,9 +1597,8 @@ def load_checkpoint(argv, path):
                         "keeps its last two)") from None
     except Exception as e:
         if "Weights only load failed" in str(e):
-            raise UserError(f"{where}: refused: unpickling it could run code (it holds more than "
-                            "tensors and plain data, as no checkpoint of this trainer does): "
-                            "resume from a checkpoint this trainer wrote") from None
+            raise UserError(f"{where}: refused: unpickling it could run code, which no checkpoint "
+                            "of this trainer holds: resume from one it wrote") from None
         problem = f"{type(e).__name__}: {e}"
         raise UserError(f"{where} is not a checkpoint, or a corrupt or truncated one ({problem}): "
                         "give another (a run keeps its last two)") from None
@@ -1733,8 +1610,7 @@ def load_checkpoint(argv, path):
     if other_script and not args.accept_other_script:
         raise UserError(f"{where} was written by {writer}, not by this script, "
                         f"{os.path.basename(__file__)} (sha256 {SOURCE_SHA256[:12]}): resume with "
-                        "the script that wrote it, or pass --accept_other_script true to go on with "
-                        "this one (the log records it)")
+                        "the script that wrote it, or pass --accept_other_script true to go on")
     if checkpoint["step"] > args.num_iterations:
         raise UserError(f"{where} is at step {checkpoint['step']}, past its --num_iterations "
                         f"{args.num_iterations}: there is no step to go on to")
@@ -1746,7 +1622,6 @@ def load_checkpoint(argv, path):
     shards = train_shards(args)
     if shards != saved_shards:
         refused.append(f"train shards (name:tokens) {saved_shards[:3]} -> {shards[:3]}")
-    # the synthetic train stream is drawn by the seed
     if args.train_files == "synthetic" and "seed" in changed:
         refused.append(f"--seed {saved.get('seed')} -> {args.seed} (the synthetic train stream)")
     if refused:
@@ -1763,7 +1638,6 @@ def load_checkpoint(argv, path):
         note += ", its last step: nothing to train, its val loss again"
     if other_script:
         note += f", written by {writer}: another script, accepted (--accept_other_script)"
-        # a fork's own options, which this script has no field for
         lacking = [f"--{name} {value!r}" for name, value in saved.items() if name not in options]
         if lacking:
             note += f"; its options this script lacks, not applied: {', '.join(lacking)}"
@@ -1772,14 +1646,13 @@ def load_checkpoint(argv, path):
         note += f"; options changed: {changes}"
     return args, dict(checkpoint, note=note)
 
-# names of parameters before this trainer took record 18's, and record 18's compiled model's prefix
+# record 18's checkpoints' names (a compiled model's prefix), and this trainer's before it took them
 OLD_NAMES = [(r"^_orig_mod\.", ""), (r"^value_embeds\.(\d)\.", r"value_embeds.embed.\1."),
              (r"\.attn\.([qkv])\.", r".attn.c_\1."), (r"\.(attn|mlp)\.proj\.", r".\1.c_proj."),
              (r"\.mlp\.fc\.", ".mlp.c_fc.")]
 
 def current_names(weights):
-    """A checkpoint's weights under this model's names: from record 18's own checkpoints too, and
-    from this trainer's before it took record 18's names."""
+    """A checkpoint's weights under this model's names."""
     renamed = {}
     for name, tensor in weights.items():
         for old, new in OLD_NAMES:
@@ -1788,8 +1661,7 @@ def current_names(weights):
     return renamed
 
 def load_state(checkpoint, model, optimizers, where):
-    """A checkpoint's weights and optimiser states loaded (each popped: freed); weights that do not
-    fit are one line naming the first parameter that differs."""
+    """A checkpoint's weights and optimiser states loaded (each popped: freed), or why not."""
     weights = current_names(checkpoint.pop("model"))
     ours = model.state_dict()
     for name in [*ours, *weights]:
@@ -1798,8 +1670,7 @@ def load_state(checkpoint, model, optimizers, where):
         elif name not in ours:
             problem = f"it has {name}, which this model has not"
         elif weights[name].shape != ours[name].shape:
-            problem = (f"{name} is {list(weights[name].shape)} in it, "
-                       f"{list(ours[name].shape)} in this model")
+            problem = f"{name} is {list(weights[name].shape)} in it, {list(ours[name].shape)} in this model"
         else:
             continue
         raise UserError(f"{where}: its weights do not fit this model ({problem}): resume with the "
@@ -1823,11 +1694,9 @@ def write_checkpoint(path, state):
         with atomic_write(path) as tmp, open(tmp, "wb") as f:
             torch.save(state, f)
     except (OSError, RuntimeError) as error:
-        cause = error
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
+        cause = error if isinstance(error, OSError) else error.__cause__ or error.__context__
         # not the disk's: raised again
-        if cause is None:
+        if not isinstance(cause, OSError):
             raise
         return cause.strerror or str(cause)
     return None
@@ -1843,16 +1712,10 @@ def load_hellaswag(args):
         raise UserError(f"--hellaswag needs the repository's evals/ and data/ folders beside this "
                         f"script, in {Path(__file__).resolve().parent} ({e})") from None
 
-# --------------------------------------------------------------------------------------------------
-# The run: what train() reaches below the fence
-
-# what a step does before training: checkpoint, validate, end the run after them
-Due = collections.namedtuple("Due", "checkpoint validation end")
+# ---------------------------------------------------- The run: what train() reaches below the fence
 
 class Run(contextlib.AbstractContextManager):
-    """What keeps a run safe, for train(). Entered: stop signals, then the checks and set-up before
-    step 1; then what each step does before training (due), the log's lines and clock,
-    checkpoints, and the last line."""
+    """What keeps train()'s run safe: stops, set-up, checks, each step's due, log, checkpoints."""
     def __init__(self, args, checkpoint=None, stop=None):
         self.args = args
         self.checkpoint = checkpoint
@@ -1862,12 +1725,10 @@ class Run(contextlib.AbstractContextManager):
             keep_freed_memory()
         self.master = self.rank == 0
         self.compiled = switched_on(args.compile, self.device)
-        # the step under way (due() sets it); a checkpoint's that could not be written
+        # the step under way (due() sets it); why the final checkpoint could not be written
         self.step = None
-        self.unsaved_step = None
         self.failure = None
-        self.stopping = False
-        self.stop_signal = 0
+        self.stopping, self.stop_signal = False, 0
 
     def __enter__(self):
         args = self.args
@@ -1890,11 +1751,11 @@ class Run(contextlib.AbstractContextManager):
                 notes.append(f"compile cache {args.compile_cache}: {cache_note}")
             if self.world_size > 1:
                 start_process_group(self.device)
-            self.stop.agree_on(self.world_size)
+                self.stop.group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
             self.log = stack.enter_context(RunLog(args, self.master, self.hellaswag))
             stack.enter_context(out_of_memory_as_error(micro_batch_plan(args, self.world_size)[0]))
-            loaders = (self.train_loader, self.val_loader)
-            self.log.header(args, self.world_size, self.device, loaders, passes, notes)
+            self.log.header(args, self.world_size, self.device, (self.train_loader, self.val_loader),
+                            passes, notes)
             self.exits = stack.pop_all()
         return self
 
@@ -1905,7 +1766,9 @@ class Run(contextlib.AbstractContextManager):
             self.stopping, self.stop_signal = True, self.stop.received
             self.log_stop(during=True)
             return self.exits.__exit__(None, None, None) or True
-        if timed_out(error, self.world_size):
+        # a collective's timeout: another process of the run stopped answering
+        if self.world_size > 1 and isinstance(error, RuntimeError) and re.search(
+                "timed out|timeout", str(error), re.IGNORECASE):
             error = UserError(f"another process of the run stopped answering: a collective waited "
                               f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s for it during step "
                               f"{self.step}; {self.how_to_go_on(during=True)}")
@@ -1920,8 +1783,7 @@ class Run(contextlib.AbstractContextManager):
         return suppressed
 
     def resume(self, model, optimizers):
-        """What checkpoints hold from now on: the model, its optimisers, the train loader's place,
-        loaded when resuming; returns the step the run starts at, where its clock starts."""
+        """Take the model and optimisers (loaded if resuming) to checkpoint: the start step."""
         self.model = model
         self.optimizers = optimizers
         self.start = 0
@@ -1934,14 +1796,12 @@ class Run(contextlib.AbstractContextManager):
             timing = self.checkpoint["timing"]
         self.clock = TrainClock(self.device, self.start, *timing)
         # each step's train loss, copied to the host behind an event; (step, time, event) pending
-        pinned = self.device.type == "cuda"
-        self.host_losses = torch.zeros(self.args.num_iterations, pin_memory=pinned)
+        self.host_losses = torch.zeros(self.args.num_iterations, pin_memory=self.device.type == "cuda")
         self.pending = []
         return self.start
 
     def due(self, step):
-        """What this step does before training, on every rank alike (the stop flag's exchange):
-        whether it checkpoints, validates, and ends the run (the last step, or an agreed stop)."""
+        """Whether this step checkpoints, validates, and ends the run (last step or agreed stop)."""
         args = self.args
         self.step = step
         if step == self.clock.timed_from:
@@ -1950,18 +1810,15 @@ class Run(contextlib.AbstractContextManager):
         last_step = step == args.num_iterations
         self.stopping = self.stop_signal != 0 and step > self.start and not last_step
         final = args.save_checkpoint and (self.stopping or last_step)
-        scheduled = args.checkpoint_every > 0 and step % args.checkpoint_every == 0
-        periodic = args.checkpoint_every > 0 and (self.stopping or scheduled)
-        validation = args.val_loss_every > 0 and step % args.val_loss_every == 0
-        return Due(checkpoint=step > self.start and (final or periodic),
-                   validation=not self.stopping and (last_step or validation),
-                   end=last_step or self.stopping)
+        periodic = args.checkpoint_every > 0 and (self.stopping or step % args.checkpoint_every == 0)
+        validation = last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
+        checkpoint_due = step > self.start and (final or periodic)
+        return checkpoint_due, validation and not self.stopping, last_step or self.stopping
 
     def save_checkpoint(self, step):
         """Every rank takes part (Muon's state gathers); rank 0 writes it whole, keeping the last two
         it wrote. A write that fails (a full disk) is a warning: the last one stays, training goes on."""
         self.write_train_losses(wait=True)
-        self.clock.pause()
         optimizer_states = [optimizer.state_dict() for optimizer in self.optimizers]
         if not self.master:
             return
@@ -1973,16 +1830,13 @@ class Run(contextlib.AbstractContextManager):
         state = dict(step=step, model=self.model.state_dict(), optimizers=optimizer_states,
                      loader=(loader.current_shard, loader.current_position), timing=timing,
                      args=asdict(self.args), source=SOURCE, source_sha256=SOURCE_SHA256, script=SCRIPT,
-                     run_id=self.log.run_id,
-                     train_shards=train_shards(self.args, loader.files, self.sizes))
+                     run_id=self.log.run_id, train_shards=train_shards(self.args, loader.files, self.sizes))
         path = os.path.join(self.args.log_dir, self.log.run_id, f"state_step{step:06d}.pt")
         log = self.log
         reason = write_checkpoint(path, state)
         if reason:
-            self.unsaved_step = step
-            kept = "there is no earlier one"
-            if log.checkpoints:
-                kept = f"the last one, {log.checkpoints[-1][1]}, stays"
+            kept = (f"the last one, {log.checkpoints[-1][1]}, stays" if log.checkpoints
+                    else "there is no earlier one")
             log(f"warning: the checkpoint of step {step} could not be written ({reason}: free some "
                 f"space in {self.args.log_dir}); {kept}", console=sys.stderr)
             if self.args.save_checkpoint and step == self.args.num_iterations:
@@ -2000,9 +1854,8 @@ class Run(contextlib.AbstractContextManager):
 
     def log_val_loss(self, step, val_loss):
         self.write_train_losses(wait=True)
-        self.log(f"step:{step}/{self.args.num_iterations} val_loss:{val_loss:.4f} "
-                 f"train_time:{self.clock.ms:.0f}ms "
-                 f"step_avg:{self.clock.step_avg(step, self.clock.ms):.2f}ms")
+        self.log(f"step:{step}/{self.args.num_iterations} val_loss:{val_loss:.4f} train_time:"
+                 f"{self.clock.ms:.0f}ms step_avg:{self.clock.step_avg(step, self.clock.ms):.2f}ms")
         # every rank sees the same reduced loss, so all stop here
         if not math.isfinite(val_loss):
             raise UserError(f"val loss is {val_loss} at step {step}: training diverged, most "
@@ -2014,9 +1867,8 @@ class Run(contextlib.AbstractContextManager):
         train_time_ms = self.clock.elapsed_ms()
         self.host_losses[step].copy_(loss, non_blocking=True)
         # on the CPU the copy is done already
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
+        event = torch.cuda.Event() if self.device.type == "cuda" else None
+        if event is not None:
             event.record()
         self.pending.append((step, train_time_ms, event))
         self.write_train_losses(wait=False)
@@ -2038,9 +1890,8 @@ class Run(contextlib.AbstractContextManager):
                 event.synchronize()
             self.pending.pop(0)
             # a step before the first timed one (a resumed run's first compiles): no average
-            average = math.nan
-            if step >= self.clock.timed_from:
-                average = self.clock.step_avg(step + 1, train_time_ms)
+            average = (self.clock.step_avg(step + 1, train_time_ms) if step >= self.clock.timed_from
+                       else math.nan)
             self.log(f"step:{step + 1}/{self.args.num_iterations} "
                      f"train_loss:{self.host_losses[step].item():.4f} "
                      f"train_time:{train_time_ms:.0f}ms step_avg:{average:.2f}ms")
@@ -2058,7 +1909,7 @@ class Run(contextlib.AbstractContextManager):
             self.stopping, self.stop_signal = self.hellaswag.score(model, self.args, self.log,
                                                                    self.stop)
         except Stopped as stopped:
-            self.stopping, self.stop_signal = True, stopped.signum
+            self.stopping, self.stop_signal = True, stopped.args[0]
         self.stop.at_once = False
 
     def how_to_go_on(self, during=False):
@@ -2071,19 +1922,15 @@ class Run(contextlib.AbstractContextManager):
         how = f"resume with: {resume_command(last, self.world_size)}"
         if during or last_step != self.step:
             how = f"from step {last_step}, {how}"
-        if self.unsaved_step == self.step and not during:
-            how = f"its checkpoint could not be written (see the warning above): {how}"
         return how
 
     def log_stop(self, during=False):
-        """The last line: which signal stopped the run (or the final checkpoint's failure), after
-        (or during) which step, and how to go on."""
+        """The last line: the signal (or failure) that stopped the run, when, and how to go on."""
         when = f"during step {self.step}" if during else f"after step {self.step}"
         if self.stopping and self.step == self.args.num_iterations:
             when += ", in HellaSwag's scoring (no score)"
-        stopped_by = f"error: {self.failure}: stopped"
-        if not self.failure:
-            stopped_by = f"stopped by {signal.Signals(self.stop_signal).name}"
+        stopped_by = (f"error: {self.failure}: stopped" if self.failure
+                      else f"stopped by {signal.Signals(self.stop_signal).name}")
         line = f"{stopped_by} {when}; {self.how_to_go_on(during)}"
         self.log(line, console=False)
         last_words(line, self.master, self.exit_code)
@@ -2095,8 +1942,7 @@ class Run(contextlib.AbstractContextManager):
             return 1
         return 128 + self.stop_signal if self.stopping else 0
 
-# --------------------------------------------------------------------------------------------------
-# Arguments and main
+# ------------------------------------------------------------------------------- Arguments and main
 
 def parse_bool(text):
     if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -2128,14 +1974,11 @@ def main(argv=None):
     with CleanStop() as stop:
         try:
             check_launch_environment()
-            checkpoint = None
-            if args.resume:
-                args, checkpoint = load_checkpoint(argv, args.resume)
+            args, checkpoint = load_checkpoint(argv, args.resume) if args.resume else (args, None)
             # every value, before anything is written
             check_hyperparameters(args)
             return train(args, checkpoint, stop)
         except UserError as e:
-            # every_rank: on each rank
             last_words(f"error: {e}", console=console or e.every_rank)
             return 1
         except (Stopped, Exception) as e:
