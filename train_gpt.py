@@ -1510,7 +1510,7 @@ SOURCE_SHA256 = hashlib.sha256(SOURCE).hexdigest()
 SCRIPT = os.path.realpath(__file__)
 
 class Stopped(BaseException):
-    """A stop signal with nothing to save (args: its number), raised at once (compiling, say)."""
+    """A stop signal (args: its number) with nothing to save, raised at once; not an Exception."""
 
 def stopped_before_steps(signum, args):
     """The last line of a run stopped before its first step ended."""
