@@ -1,8 +1,7 @@
-"""What the evaluation tools share: the start-up, the code that builds a checkpoint's model, the
-tokenizer, the errors. One rule chooses that code: the source a checkpoint carries runs only when it
-is this repository's train_gpt.py byte for byte; else the model is built by --trainer FILE, the
-user's copy, or, with --trust_checkpoint_code, by the source after a warning. The script path a
-checkpoint records is information only. Checkpoints are read as tensors and plain data only."""
+"""What the evaluation tools share: start-up, the code that builds a checkpoint's model, tokenizer,
+errors. One rule chooses that code: a checkpoint's source runs only when it is this repository's
+train_gpt.py byte for byte; else --trainer FILE (the user's copy) builds the model, or, with
+--trust_checkpoint_code, the source after a warning. The recorded script path is information only."""
 import argparse
 import ast
 import contextlib
@@ -35,6 +34,8 @@ REPOSITORY_TRAINER = REPO / "train_gpt.py"
 MAX_POSITIONS = 65536
 # the exit code of a process whose output pipe was closed by its reader (128 + SIGPIPE)
 CLOSED_OUTPUT = 141
+# sha256 of record 18's train_gpt.py (modded-nanogpt 45544f53): its checkpoints carry it as `code`
+RECORD18_SHA256 = "dab35b5cfc5adab1df3d5844f46888ac67b10efd469f561b893bda58c5754d46"
 # the names of a trainer module that common.py uses; each tool adds its own (TRAINER_NAMES)
 TRAINER_NAMES = ("UserError", "check_launch_environment", "setup_device", "start_process_group",
                  "Hyperparameters", "check_hyperparameters", "GPT")
@@ -125,9 +126,8 @@ def read_checkpoint(path):
         raise EvalError(f"{path}: cannot read it ({e.strerror or e})") from None
     except Exception as e:
         if "Weights only load failed" in str(e):
-            raise EvalError(f"{path}: refused: unpickling it could run code (it holds more than "
-                            "tensors and plain data, as no checkpoint of train_gpt.py does): get "
-                            "the file again from whoever made it") from None
+            raise EvalError(f"{path}: refused: unpickling it could run code, which no checkpoint "
+                            "of train_gpt.py holds: get the file again from whoever made it") from None
         raise EvalError(f"{path}: not a checkpoint written by train_gpt.py, or a corrupt or "
                         f"truncated one ({type(e).__name__}: {first_line(e)})") from None
     return checkpoint
@@ -146,6 +146,9 @@ def trainer_code(path, checkpoint, trainer_file=None, trust=False):
     ours = regular_file(REPOSITORY_TRAINER, read=True)
     built = f"model: built by {REPOSITORY_TRAINER} (sha256 {sha256(ours, 12)})"
     if "record18" in checkpoint:
+        if sha256(checkpoint["record18"]) != RECORD18_SHA256:
+            raise EvalError(f"{path}: the code it carries (sha256 {sha256(checkpoint['record18'], 12)}"
+                            ") is not record 18's script, the one built without --trainer FILE")
         return ours, (f"{built}, record 18's model: the checkpoint is record 18's own script's, "
                       "whose source it carries is not run (--show_source shows it)")
     if source is None:
@@ -264,7 +267,6 @@ def build_model(trainer, checkpoint, path, device, line=None):
     # under the trainer's names, where it renames older checkpoints' (record 18's among them)
     saved = getattr(trainer, "current_names", dict)(checkpoint["model"])
     ours = model.state_dict()
-    # the first parameter or buffer whose shapes differ, or that one side lacks
     mismatches = [f"{n} is {tuple(saved[n].shape)} there, {tuple(ours[n].shape)} in the model"
                   for n in ours if n in saved and saved[n].shape != ours[n].shape]
     mismatches += [f"the model's {n} is not in the checkpoint" for n in ours if n not in saved]
@@ -281,8 +283,7 @@ def build_model(trainer, checkpoint, path, device, line=None):
 def encoding(tokenizer_file=None):
     """GPT-2's BPE: tiktoken's own (downloaded once), or built from a ranks file (offline)."""
     try:
-        return gpt2_tokenizer.gpt2_encoding(tokenizer_file and regular_file(tokenizer_file,
-                                                                            "--tokenizer"))
+        return gpt2_tokenizer.gpt2_encoding(tokenizer_file and regular_file(tokenizer_file, "--tokenizer"))
     except gpt2_tokenizer.TokenizerError as e:
         raise EvalError(str(e)) from None
 

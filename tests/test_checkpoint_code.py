@@ -505,6 +505,20 @@ def test_two_processes_run_it_with_trust_checkpoint_code(entries, data, ranks_fi
 
 # --- record 18's own checkpoints ---------------------------------------------------------------
 
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_checkpoint_in_record_18s_format_with_another_scripts_code_is_refused(
+        tmp_path, capsys, tool, data):
+    """modded-nanogpt's later records save dict(step, code, model, optimizers) too: the code is not
+    record 18's script (its sha256 differs), so its maths may not be ours: one line, nothing run."""
+    marker = tmp_path / "ran.txt"
+    checkpoint = tmp_path / "state.pt"
+    torch.save(dict(step=1390, code=planted(marker), optimizers=[], model={}), checkpoint)
+    assert run_tool(tool, checkpoint, data) == 1
+    line = one_error_line(capsys)
+    assert "is not record 18's script" in line and "--trainer FILE" in line
+    assert not marker.exists()
+
+
 def record18_parameter_names():
     """The parameters of record 18's model, as its script names them: 12 blocks, the 8th without
     attention, three value-embedding tables, the U-net's skip weights."""
@@ -521,11 +535,12 @@ def record18_parameter_names():
 @pytest.mark.slow
 @pytest.mark.record18
 def test_record_18s_own_checkpoint_is_scored_and_continued_by_the_repository_trainer(
-        tmp_path, capsys, data):
+        tmp_path, capsys, monkeypatch, data):
     """A checkpoint as record 18's script saves at its last step, dict(step, code, model, optimizers),
     its model's names those of the compiled model (prefixed _orig_mod.): the repository's trainer
     builds the model, a line says so, the code it carries never runs (--show_source shows it), and
-    its weights give the logits of the same weights loaded by hand into that trainer's model."""
+    its weights give the logits of the same weights loaded by hand into that trainer's model. The
+    code stands in for record 18's script, whose sha256 the tools know (its bytes are not here)."""
     trainer = common.trainer_from_source(REPOSITORY_TRAINER.read_bytes())
     torch.manual_seed(0)
     reference = trainer.GPT(50304, 12, 6, 768).eval()
@@ -536,6 +551,7 @@ def test_record_18s_own_checkpoint_is_scored_and_continued_by_the_repository_tra
     torch.save(dict(step=1390, code=planted(marker), optimizers=[],
                     model={f"_orig_mod.{name}": tensor for name, tensor in weights.items()}),
                checkpoint)
+    monkeypatch.setattr(common, "RECORD18_SHA256", sha256(planted(marker).encode()))
     module, entries, line = common.open_checkpoint(str(checkpoint), needs=sample.TRAINER_NAMES)
     assert line.endswith("record 18's model: the checkpoint is record 18's own script's, whose "
                          "source it carries is not run (--show_source shows it)")
