@@ -503,8 +503,7 @@ class KVCache:
 
     def append(self, tokens, sliding_window_num_blocks):
         self.tokens = torch.cat([self.tokens, tokens], 1)
-        self.mask = build_dense_mask(self.tokens, sliding_window_num_blocks, -tokens.size(1))
-        self.mask = self.mask[:, None]
+        self.mask = build_dense_mask(self.tokens, sliding_window_num_blocks, -tokens.size(1))[:, None]
         return self
 
     def extend(self, layer, k, v):
@@ -1066,7 +1065,7 @@ def setup_device():
     visible = torch.cuda.device_count()
     if visible < local_world:
         raise UserError(f"{local_world} processes on this node but {visible} GPUs visible: use "
-                        f"--nproc_per_node={visible} (the global batch stays the same)")
+                        f"--nproc_per_node={visible} (NPROC={visible} with ./run.sh; the same maths)")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     # bf16 matrix units arrived with Ampere
     if torch.cuda.get_device_capability(device) < (8, 0):
@@ -1206,8 +1205,11 @@ def prepare_shards(args, split, num_tokens):
                 f"synthetic_{split}_{int(split == 'train'):06d}.bin")
     make_writable_folder(path.parent, "--log_dir")
     seed = [args.seed, 1] if split == "train" else [0, 0]
-    with atomic_write(path) as tmp:
-        write_data_shard(tmp, markov_stream(num_tokens, seed, chain_seed=0))
+    try:
+        with atomic_write(path) as tmp:
+            write_data_shard(tmp, markov_stream(num_tokens, seed, chain_seed=0))
+    except OSError as e:
+        raise UserError(f"{path}: cannot write this synthetic shard ({e.strerror}): free space") from None
     return glob.escape(str(path))
 
 def fetch_hint(num_iterations, batch_size):
@@ -1611,14 +1613,10 @@ def load_checkpoint(argv, path):
         raise UserError(f"{where} was written by {writer}, not by this script, "
                         f"{os.path.basename(__file__)} (sha256 {SOURCE_SHA256[:12]}): resume with "
                         "the script that wrote it, or pass --accept_other_script true to go on")
-    if checkpoint["step"] > args.num_iterations:
-        raise UserError(f"{where} is at step {checkpoint['step']}, past its --num_iterations "
-                        f"{args.num_iterations}: there is no step to go on to")
     options = asdict(args)
     changed = [name for name in options if options[name] != saved.get(name)
                and name not in ("resume", "accept_other_script")]
-    facts = option_facts()
-    refused = [f"--{n} {saved.get(n)} -> {getattr(args, n)}" for n in changed if facts[n]["fixed"]]
+    refused = [f"--{n} {saved.get(n)} -> {getattr(args, n)}" for n in changed if option_facts()[n]["fixed"]]
     shards = train_shards(args)
     if shards != saved_shards:
         refused.append(f"train shards (name:tokens) {saved_shards[:3]} -> {shards[:3]}")
@@ -1627,9 +1625,9 @@ def load_checkpoint(argv, path):
     if refused:
         raise UserError(f"--resume {path!r}: {', '.join(refused)} would change the model, the data "
                         "position or the schedules: leave these options as the checkpoint has them")
-    if "optimizers" not in checkpoint:
-        raise UserError(f"{where} was written by an older version of this trainer (its optimiser "
-                        "states are in another format): resume it with the script that wrote it")
+    if checkpoint["step"] > args.num_iterations:
+        raise UserError(f"{where} is at step {checkpoint['step']}, past its --num_iterations "
+                        f"{args.num_iterations}: there is no step to go on to")
     note = f"resumed from {path} at step {checkpoint['step']}"
     # the run that wrote it, wherever the checkpoint was copied: a resumed run counts once
     if "run_id" in checkpoint:
@@ -1695,7 +1693,6 @@ def write_checkpoint(path, state):
             torch.save(state, f)
     except (OSError, RuntimeError) as error:
         cause = error if isinstance(error, OSError) else error.__cause__ or error.__context__
-        # not the disk's: raised again
         if not isinstance(cause, OSError):
             raise
         return cause.strerror or str(cause)
@@ -1725,8 +1722,9 @@ class Run(contextlib.AbstractContextManager):
             keep_freed_memory()
         self.master = self.rank == 0
         self.compiled = switched_on(args.compile, self.device)
-        # the step under way (due() sets it); why the final checkpoint could not be written
+        # the step under way (due() sets it), one whose checkpoint failed, why the final one failed
         self.step = None
+        self.unsaved_step = None
         self.failure = None
         self.stopping, self.stop_signal = False, 0
 
@@ -1766,7 +1764,6 @@ class Run(contextlib.AbstractContextManager):
             self.stopping, self.stop_signal = True, self.stop.received
             self.log_stop(during=True)
             return self.exits.__exit__(None, None, None) or True
-        # a collective's timeout: another process of the run stopped answering
         if self.world_size > 1 and isinstance(error, RuntimeError) and re.search(
                 "timed out|timeout", str(error), re.IGNORECASE):
             error = UserError(f"another process of the run stopped answering: a collective waited "
@@ -1816,8 +1813,8 @@ class Run(contextlib.AbstractContextManager):
         return checkpoint_due, validation and not self.stopping, last_step or self.stopping
 
     def save_checkpoint(self, step):
-        """Every rank takes part (Muon's state gathers); rank 0 writes it whole, keeping the last two
-        it wrote. A write that fails (a full disk) is a warning: the last one stays, training goes on."""
+        """Every rank takes part (Muon's momenta are broadcast); rank 0 writes it whole and keeps the
+        last two. A write that fails (a full disk) is a warning: the last one stays, training goes on."""
         self.write_train_losses(wait=True)
         optimizer_states = [optimizer.state_dict() for optimizer in self.optimizers]
         if not self.master:
@@ -1835,6 +1832,7 @@ class Run(contextlib.AbstractContextManager):
         log = self.log
         reason = write_checkpoint(path, state)
         if reason:
+            self.unsaved_step = step
             kept = (f"the last one, {log.checkpoints[-1][1]}, stays" if log.checkpoints
                     else "there is no earlier one")
             log(f"warning: the checkpoint of step {step} could not be written ({reason}: free some "
@@ -1916,6 +1914,8 @@ class Run(contextlib.AbstractContextManager):
         """From which checkpoint, with which command, a stopped run goes on."""
         if not self.master:
             return "rank 0's log names its last checkpoint"
+        if not self.log.checkpoints and self.unsaved_step is not None:
+            return "no checkpoint could be written (see the warning above)"
         if not self.log.checkpoints:
             return "no checkpoint was written (--checkpoint_every N or --save_checkpoint true write one)"
         last_step, last = self.log.checkpoints[-1]

@@ -49,7 +49,7 @@ UNTIMED_LINE = re.compile(r"^UNTIMED_STEPS = (\d+)\s*$")
 NOT_CONFIGURATION = frozenset(
     "log_dir seed resume save_checkpoint checkpoint_every hellaswag hellaswag_data tokenizer "
     "compile compile_tuning compile_cache regional_compile fused_head_loss fused_qkv "
-    "head_chunk_rows max_device_batch_size profile".split()
+    "head_chunk_rows max_device_batch_size profile accept_other_script".split()
 )
 
 

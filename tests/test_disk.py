@@ -137,7 +137,23 @@ def test_a_final_checkpoint_the_disk_has_no_room_for_exits_1(small_filesystem, t
     full = "(No space left on device"
     assert err[0].startswith(f"warning: the checkpoint of step 2 could not be written {full}")
     assert err[-1].startswith(f"error: the final checkpoint could not be written {full})")
+    # no earlier one: the last line sends the user to the warning, not to an option they passed
+    assert err[-1].endswith("; no checkpoint could be written (see the warning above)")
     assert not list(log_dir.glob("*/*.pt"))
+
+
+def test_a_synthetic_shard_the_disk_has_no_room_for_is_one_line(tmp_path, capsys, monkeypatch):
+    """The smoke preset writes its synthetic shards into --log_dir first: a full disk there is one
+    line, before anything else is written."""
+    def no_room(path, tokens):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(train_gpt, "write_data_shard", no_room)
+    code = train_gpt.main(["--preset", "smoke", "--log_dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1
+    assert err[0].startswith("error: ") and "synthetic_train_000001.bin: cannot write this " in err[0]
+    assert "(No space left on device): free space" in err[0]
 
 
 def log_fd(log_dir):

@@ -246,7 +246,7 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes_acro
 def test_a_checkpoint_of_this_trainers_older_format_is_one_line(reference, tmp_path, capsys):
     """The step-4 checkpoint as the trainer wrote them before Muon had a state_dict (Adam's state
     under "adam", Muon's momenta by name under "muon"), accepted as another script's: refused in
-    one line that says which script resumes it, nothing written."""
+    one line, as optimiser states that do not fit, that says which script resumes it."""
     state = torch.load(reference[1][0], weights_only=True)
     adam, muon = state.pop("optimizers")
     torch.save(dict(state, adam=adam, muon={}, source_sha256="0" * 64), tmp_path / "before.pt")
@@ -254,10 +254,8 @@ def test_a_checkpoint_of_this_trainers_older_format_is_one_line(reference, tmp_p
             "--log_dir", str(tmp_path / "logs")]
     assert train_gpt.main(argv) == 1
     assert capsys.readouterr().err == (
-        f"error: --resume {str(tmp_path / 'before.pt')!r} was written by an older version of this "
-        "trainer (its optimiser states are in another format): resume it with the script that "
-        "wrote it\n")
-    assert not (tmp_path / "logs").exists()
+        f"error: --resume {str(tmp_path / 'before.pt')!r}: its optimiser states do not fit this "
+        "script's optimisers ('optimizers'): resume with the script that wrote it\n")
 
 
 def test_another_scripts_checkpoint_is_refused_naming_both_and_resumed_when_accepted(
@@ -432,6 +430,17 @@ def test_a_checkpoint_past_the_runs_last_step_is_one_line(tmp_path):
                     source_sha256=train_gpt.SOURCE_SHA256), path)
     with pytest.raises(train_gpt.UserError, match=r"is at step 5, past its --num_iterations 4: "):
         train_gpt.load_checkpoint(["--resume", str(path)], str(path))
+
+
+def test_fewer_steps_than_a_checkpoint_has_run_are_refused_as_a_fixed_option(tmp_path):
+    """The checkpoint's own --num_iterations is 12: a resume asking for 6 changes a fixed option,
+    and is refused as such, not as a checkpoint past its last step."""
+    saved = train_gpt.Hyperparameters(train_files="synthetic", num_iterations=12)
+    path = tmp_path / "state.pt"
+    torch.save(dict(args=train_gpt.asdict(saved), train_shards=[], step=8, optimizers=[],
+                    source_sha256=train_gpt.SOURCE_SHA256), path)
+    with pytest.raises(train_gpt.UserError, match=r"--num_iterations 12 -> 6 would change the model"):
+        train_gpt.load_checkpoint(["--resume", str(path), "--num_iterations", "6"], str(path))
 
 
 def test_another_seed_is_refused_where_it_draws_the_train_stream(tmp_path):
