@@ -1722,7 +1722,6 @@ class Run(contextlib.AbstractContextManager):
             keep_freed_memory()
         self.master = self.rank == 0
         self.compiled = switched_on(args.compile, self.device)
-        # the step under way (due() sets it), one whose checkpoint failed, why the final one failed
         self.step = None
         self.unsaved_step = None
         self.failure = None
