@@ -1142,8 +1142,7 @@ def read_shard_header(path):
     """Check a shard's header against its size, without reading the tokens; returns their count."""
     try:
         size = os.path.getsize(path)
-        # a pipe would never end
-        if not os.path.isfile(path):
+        if not os.path.isfile(path):  # a pipe would never end
             raise IsADirectoryError(0, "a folder, a pipe or a device, not a token shard")
         with open(path, "rb") as f:
             # a file shorter than a header reads as zeros: not a shard
@@ -1584,8 +1583,7 @@ def load_checkpoint(argv, path):
     """A checkpoint read as data (nothing in it runs), and its options under the command line's."""
     where = f"--resume {path!r}"
     try:
-        # a pipe would never end
-        if not os.path.isfile(path) and os.path.exists(path):
+        if not os.path.isfile(path) and os.path.exists(path):  # a pipe would never end
             raise IsADirectoryError(0, "a folder, a pipe or a device, not a checkpoint file")
         # the zip's CRCs catch a flipped byte in tensor data, which torch.load misses
         damaged = zipfile.ZipFile(path).testzip()
@@ -1985,6 +1983,8 @@ def main(argv=None):
             if stop.received:
                 last_words(stopped_before_steps(stop.received, args), console=console)
                 return 128 + stop.received
+            # a beat under torchrun (it polls at 0.1 s): the rank that failed first is seen first
+            time.sleep(1 if "TORCHELASTIC_RUN_ID" in os.environ else 0)
             # its traceback follows; the message's first line (C++ errors add a stack) for the rest
             first_line = next(iter(str(e).splitlines()), "")
             last_words(f"error: unexpected {type(e).__name__}: {first_line} (its traceback is "
