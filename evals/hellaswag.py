@@ -41,7 +41,6 @@ import http.client
 import json
 import math
 import os
-import resource
 import socket
 import stat
 import sys
@@ -420,9 +419,8 @@ class ForTrainer:
     def score(self, model, args, log, stop):
         """The trained model's scores into the trainer's log, outside train time, each rank scoring
         its share in sequences of --max_device_batch_size tokens, as validation, and its peak
-        memory (a GPU's allocations; a CPU's: the process's resident set, which ru_maxrss gives in
-        KiB on Linux); (stopping, the signal): a stop signal (stop.received on any rank) ends it
-        with no score."""
+        memory as the trainer measures it; (stopping, the signal): a stop signal (stop.received on
+        any rank) ends it with no score."""
         device = next(model.parameters()).device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -433,11 +431,7 @@ class ForTrainer:
         except Stopped as stopped:
             return True, stopped.signal
         log(details)
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device) // 2 ** 20
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-        log(f"hellaswag: peak memory {peak} MiB")
+        log(f"hellaswag: peak memory {common.trainer_of(args).peak_memory_mib(device)} MiB")
         log(result_line(acc_norm, acc, n))
         return False, 0
 
